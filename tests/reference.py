@@ -1,0 +1,81 @@
+"""The truth: Hugging Face ``transformers`` on the same weights, and messages that compare to it.
+
+Models and results are cached for the whole test session, so each reference generation runs
+once however many tests compare against it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=8)
+def engine_model(path: str):
+    """The engine's own model (from the tree under test's s00_foundation), loaded once."""
+    from s00_foundation.loader import load_model
+
+    return load_model(path, device="cpu", dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def engine_tokenizer(path: str):
+    from s00_foundation.tokenizer import Tokenizer
+
+    return Tokenizer(path)
+
+
+@functools.lru_cache(maxsize=512)
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, eos: tuple[int, ...]) -> tuple[int, ...]:
+    model = hf_model(path)
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
+    config.eos_token_id = list(eos)  # []: generate until max_new_tokens (None would mean "the model's own EOS")
+    config.pad_token_id = eos[0] if eos else 0
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy(path: str | Path, prompt: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()) -> list[int]:
+    """transformers' greedy continuation of ``prompt``; stops after an ``eos`` id (kept in the output)."""
+    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, tuple(eos)))
+
+
+def hf_last_logits(path: str | Path, prompt: Sequence[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(str(path))(torch.tensor([list(prompt)])).logits[0, -1].float()
+
+
+def assert_same_tokens(got: Sequence[int], expected: Sequence[int], what: str, tokenizer=None) -> None:
+    """Fail with the first step where ``got`` leaves ``expected``, in a learner's words."""
+    got, expected = list(got), list(expected)
+    if got == expected:
+        return
+
+    def show(token):
+        return f"{token} ({tokenizer.decode([token], skip_special_tokens=False)!r})" if tokenizer else str(token)
+
+    for step, (g, e) in enumerate(zip(got, expected)):
+        if g != e:
+            raise AssertionError(
+                f"{what}: step {step}: your engine produced token {show(g)}, the reference produced "
+                f"{show(e)} (the first {step} tokens agreed)"
+            )
+    raise AssertionError(
+        f"{what}: your engine produced {len(got)} tokens, the reference {len(expected)} "
+        f"(the first {min(len(got), len(expected))} agree); "
+        + ("yours stops too early" if len(got) < len(expected) else f"yours goes on with {show(got[len(expected)])}")
+    )
