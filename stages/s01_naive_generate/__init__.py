@@ -1,0 +1,1 @@
+"""Stage 1: naive generation - recompute the whole sequence for every new token."""

@@ -1,0 +1,34 @@
+"""Naive greedy generation: every step runs the WHOLE sequence through the model again.
+
+Step t processes prompt_len + t tokens and attention inside it costs O(len^2), so producing N
+tokens costs O(N^3) in total. Nothing is remembered between steps; stage 3 fixes exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from s00_foundation.attention import NoCacheBackend
+from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.model import CausalLM
+
+
+def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
+    raise NotImplementedError("Stage 1: build a ForwardBatch holding the whole sequence (one request, nothing cached, NoCacheBackend) and return the model's logits for it - see stages/s01_naive_generate/README.md")
+
+
+def naive_generate(
+    model: CausalLM, input_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
+) -> list[int]:
+    """Greedy continuation of ``input_ids``: at most ``max_new_tokens`` new ids, ending with
+    an EOS id if one was produced (the EOS id is kept, as ``transformers`` does)."""
+    if not input_ids:
+        raise ValueError("input_ids is empty: a prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tokens, new_tokens = list(input_ids), []
+    raise NotImplementedError("Stage 1: loop - logits of the whole sequence, greedy pick (argmax), append, stop at an EOS id or after max_new_tokens - see stages/s01_naive_generate/README.md")
+    return new_tokens

@@ -1,0 +1,1 @@
+"""Course machinery: skeleton generator, implementation switch, fail-proof, grader, setup."""

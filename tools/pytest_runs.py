@@ -1,0 +1,91 @@
+"""Run pytest in a child process with chosen ENGINE_* settings and read what each test did.
+
+Shared by prove_tests_fail.py and grade.py. Outcomes come from pytest's JUnit XML, so
+nothing here depends on pytest's console output.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SWITCH_VARS = ("ENGINE_IMPL", "ENGINE_REFERENCE_UPTO", "ENGINE_STAGES_DIR", "ENGINE_SOLUTIONS_DIR")
+RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}  # a test's worst phase decides
+
+
+@dataclass
+class Run:
+    outcomes: dict[str, str]  # test id -> passed / failed / error / skipped
+    returncode: int
+    output: str
+
+
+def child_env(**switch: str) -> dict[str, str]:
+    """This process's environment with only the given ENGINE_* settings (others unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS}
+    env.update({k: v for k, v in switch.items() if v is not None})
+    return env
+
+
+def read_junit(path: Path) -> dict[str, str]:
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(path).iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        test = f"{classname}::{name}" if classname else f"{name} (collecting the module)"
+        outcome = "passed"
+        for tag in ("skipped", "failure", "error"):
+            if case.find(tag) is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+        if RANK[outcome] >= RANK[outcomes.get(test, "passed")]:
+            outcomes[test] = outcome
+    return outcomes
+
+
+def run_pytest(paths: list[str], env: dict[str, str], junit: Path | None = None,
+               root: Path = REPO, extra: tuple[str, ...] = ()) -> Run:
+    """Run every test under `paths` (no -x: each test must run) and collect outcomes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = junit or Path(tmp) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", *paths, "-p", "no:cacheprovider", "-q",
+                   "--continue-on-collection-errors", f"--junitxml={junit}", *extra]
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+        outcomes = read_junit(junit) if junit.is_file() else {}
+    return Run(outcomes, done.returncode, done.stdout + done.stderr)
+
+
+def collect(paths: list[str], env: dict[str, str], root: Path = REPO) -> list[str]:
+    """Node ids pytest collects under `paths` (empty if collection breaks)."""
+    command = [sys.executable, "-m", "pytest", *paths, "-p", "no:cacheprovider", "-q", "--collect-only"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    return [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def graded_test_dirs(root: Path = REPO) -> dict[int, Path]:
+    """Stage N -> tests/stageNN, for each such folder that holds at least one test file."""
+    return {
+        int(folder.name[5:]): folder
+        for folder in sorted((root / "tests").glob("stage[0-9][0-9]"))
+        if any(folder.rglob("test_*.py")) or any(folder.rglob("*_test.py"))
+    }
+
+
+def stage_of(test: str) -> int | None:
+    """The stage a test id belongs to, from its tests/stageNN folder."""
+    match = re.search(r"(?:^|[./])stage(\d\d)(?:[./:]|$)", test)
+    return int(match.group(1)) if match else None
+
+
+def parse_stages(text: str) -> set[int]:
+    """'1-4' or '1,3,5-6' -> {1, 2, 3, 4} ..."""
+    stages: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        low, _, high = part.partition("-")
+        stages.update(range(int(low), int(high or low) + 1))
+    return stages
