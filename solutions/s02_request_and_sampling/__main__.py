@@ -1,0 +1,62 @@
+"""Stage 2 milestone: one prompt, several sampled continuations, each reproducible from its seed."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from s00_foundation.device import default_device, describe
+from s00_foundation.loader import load_model
+from s00_foundation.paths import default_model_path
+from s00_foundation.tokenizer import Tokenizer
+
+from .engine import generate
+from .sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="Write one sentence about a cat who learns to fly.")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--temperature", type=float, default=0.9)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--min-p", type=float, default=0.05)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+
+    path = args.model or default_model_path()
+    device = args.device or default_device()
+    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, min_p=args.min_p,
+            max_new_tokens=args.max_new_tokens, seed=seed,
+        )
+
+    # One batch: greedy, one request per seed, and the first seed once more to show it repeats.
+    labels = ["greedy"] + [f"seed={s}" for s in args.seeds] + [f"seed={args.seeds[0]} again"]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)]
+    params += [sampled(s) for s in args.seeds] + [sampled(args.seeds[0])]
+
+    start = time.perf_counter()
+    outputs = generate(model, tokenizer, [args.prompt] * len(params), params)
+    elapsed = time.perf_counter() - start
+
+    print(f"model: {path}   device: {describe(device)}")
+    print(f"prompt: {args.prompt!r}")
+    print(f"sampling: temperature={args.temperature} top_p={args.top_p} min_p={args.min_p}\n")
+    width = max(len(label) for label in labels)
+    for label, out in zip(labels, outputs):
+        print(f"{label:>{width}} [{out.finish_reason}]: {out.text!r}")
+    same = outputs[-1].output_ids == outputs[1].output_ids
+    print(f"\nseed={args.seeds[0]} twice -> {'identical' if same else 'DIFFERENT (a seed should reproduce its run!)'} continuations")
+    total = sum(out.output_tokens for out in outputs)
+    print(f"{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s "
+          f"({len(outputs)} requests sampled as one batch; each forward still recomputes the whole sequence)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Offline generation with requests and sampling: ``generate(model, tokenizer, prompts, params)``.
+
+Each prompt becomes a ``Req``. Every step, each running request's next-token logits are
+computed the naive way (stage 1's ``next_token_logits``: the whole sequence again), the rows
+are stacked into one [B, V] batch for a single ``sample`` call, and each request takes its
+token and checks whether it is done. Finished requests leave the batch; the rest go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+from s00_foundation.tokenizer import Messages, Tokenizer
+from s01_naive_generate.generate import next_token_logits
+
+from .req import FinishReason, Req
+from .sampler import sample
+from .sampling_params import SamplingParams
+
+# A prompt is text, chat messages, or token ids that are used as they are.
+PromptInput = Union[str, Messages, Sequence[int]]
+
+
+@dataclass
+class GenerateOutput:
+    text: str  # trimmed before the stop string / stop token that ended it
+    output_ids: list[int]  # every generated token, including a matched stop token / EOS
+    finish_reason: FinishReason
+    prompt_tokens: int
+    output_tokens: int
+    seed: int  # pass it back in SamplingParams(seed=...) to get this exact output again
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        """The stop token id or stop string that ended the request (None for "length")."""
+        return self.finish_reason.matched
+
+
+def encode(tokenizer: Tokenizer, prompt: PromptInput) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode_prompt(prompt)
+    prompt = list(prompt)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        return tokenizer.encode_prompt(prompt)
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ValueError(
+        f"each prompt must be a string, a non-empty list of chat messages ({{'role': ..., 'content': ...}}) "
+        f"or a non-empty list of token ids; got {prompt!r:.80}"
+    )
+
+
+def make_reqs(
+    tokenizer: Tokenizer,
+    prompts: PromptInput | Sequence[PromptInput],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+) -> list[Req]:
+    """One ``Req`` per prompt (rid = its index). ``prompts`` is a list of prompts (a single
+    string is accepted as a list of one); ``sampling_params`` is one SamplingParams for all of
+    them or one per prompt."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(prompts)
+    sampling_params = list(sampling_params)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt")
+    return [
+        Req(rid=i, origin_input_ids=encode(tokenizer, prompt), sampling_params=params, tokenizer=tokenizer)
+        for i, (prompt, params) in enumerate(zip(prompts, sampling_params))
+    ]
+
+
+def make_output(req: Req) -> GenerateOutput:
+    return GenerateOutput(
+        text=req.output_text,
+        output_ids=list(req.output_ids),
+        finish_reason=req.finished_reason,
+        prompt_tokens=len(req.origin_input_ids),
+        output_tokens=len(req.output_ids),
+        seed=req.seed,
+    )
+
+
+def check_not_stuck(reqs: Sequence[Req]) -> None:
+    """A request at max_new_tokens must be finished; without this guard a check_finished that
+    never ends a request would hang the generation loop."""
+    for req in reqs:
+        if not req.finished and len(req.output_ids) >= req.sampling_params.max_new_tokens:
+            raise RuntimeError(
+                f"request {req.rid} has max_new_tokens={req.sampling_params.max_new_tokens} "
+                f"tokens but check_finished() did not finish it (expected finish reason 'length')"
+            )
+
+
+def generate(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    prompts: PromptInput | Sequence[PromptInput],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+) -> list[GenerateOutput]:
+    """Generate a continuation for every prompt; outputs come back in the prompts' order.
+
+    ``prompts`` is a list of prompts (a single string is accepted as a list of one);
+    ``sampling_params`` is one SamplingParams for all of them or one per prompt.
+    """
+    reqs = make_reqs(tokenizer, prompts, sampling_params)
+    running = list(reqs)
+    with torch.inference_mode():
+        while running:
+            # Nothing is cached in this stage, so each pass recomputes all of fill_ids
+            # (cached_len is 0 and extend_len == device_len == len(fill_ids)).
+            logits = torch.stack([next_token_logits(model, req.fill_ids) for req in running])
+            next_ids = sample(logits, running).tolist()
+            for req, token_id in zip(running, next_ids):
+                req.append_token(token_id)
+                req.check_finished()
+            check_not_stuck(running)
+            running = [req for req in running if not req.finished]
+    return [make_output(req) for req in reqs]

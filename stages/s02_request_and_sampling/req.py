@@ -1,0 +1,139 @@
+"""One generation request as the engine tracks it: ``Req``, and why it ended: ``FinishReason``.
+
+A request is its prompt, the tokens generated so far, its sampling parameters, its own random
+generator and three lengths that every later stage schedules by:
+
+    fill_ids     = origin_input_ids + output_ids     the whole sequence so far
+    cached_len   tokens of fill_ids whose K/V are already stored (0 until stage 3's KV cache)
+    device_len   tokens of fill_ids the model has seen once the current forward pass is done
+    extend_len   = device_len - cached_len           tokens this forward pass must compute
+
+In stage 2 nothing is cached, so every step recomputes the whole sequence (extend_len is
+everything). Stage 3 keeps the K/V and sets cached_len = device_len after each pass, so a
+decode step computes exactly one token; stage 7 splits a long prompt by moving device_len
+forward a chunk at a time.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import torch
+
+from .detokenizer import Decoder, IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: FinishType  # "stop": a stop token/string or EOS matched; "length": max_new_tokens reached
+    matched: int | str | None = None  # the token id or stop string that matched ("stop" only)
+
+    def __str__(self) -> str:
+        return self.type if self.matched is None else f"{self.type} ({self.matched!r})"
+
+
+class Req:
+    def __init__(
+        self,
+        rid: int | str,
+        origin_input_ids: Iterable[int],
+        sampling_params: SamplingParams,
+        tokenizer: Decoder | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        if not self.origin_input_ids:
+            raise ValueError(f"request {rid}: the prompt has no tokens; a model needs at least one to continue from")
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        # The tokenizer turns output ids into text: needed for stop strings and output_text.
+        self.tokenizer = tokenizer
+        if sampling_params.stop and tokenizer is None:
+            raise ValueError(f"request {rid}: stop strings need a tokenizer to read the generated text")
+        if eos_token_ids is None:
+            eos_token_ids = getattr(tokenizer, "eos_token_ids", [])
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+        self.cached_len = 0
+        self.device_len = len(self.origin_input_ids)  # the first pass sees the whole prompt
+        self.finished_reason: FinishReason | None = None
+
+        # Every request owns its random stream, so its tokens depend only on its seed, never
+        # on which other requests happen to share the batch. Without a seed we draw one and
+        # keep it: any sampled run can be reproduced by passing req.seed back in.
+        self.seed = sampling_params.seed if sampling_params.seed is not None else secrets.randbits(63)
+        # A CPU generator: the sampler draws one uniform number per step from it, which is the
+        # same on every device (a CUDA generator would tie the stream to the GPU).
+        self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+
+        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._stop_str_pos: int | None = None  # where the matched stop string starts in the text
+
+    # --- lengths -------------------------------------------------------------------------------
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    # --- progress ------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token; the next forward pass must see it too, so device_len grows.
+
+        cached_len is left alone: whether the K/V of the tokens just processed were kept is the
+        cache's business (stage 3 sets cached_len = device_len before calling this).
+        """
+        if self.finished:
+            raise RuntimeError(f"request {self.rid} already finished ({self.finished_reason}); it takes no more tokens")
+        self.output_ids.append(int(token_id))
+        self.device_len += 1
+
+    def check_finished(self) -> None:
+        """Decide, after the newest output token, whether the request is done, and why.
+
+        Order: a stop token / EOS (unless ignore_eos), then stop strings, then max_new_tokens.
+        """
+        if self.finished or not self.output_ids:
+            return
+        raise NotImplementedError("Stage 2: check stop tokens / EOS, then stop strings (search only the new tail), then max_new_tokens - see stages/s02_request_and_sampling/README.md")
+
+    def abort(self) -> None:
+        """End the request from outside (a client went away, a prompt too long to serve)."""
+        if not self.finished:
+            self.finished_reason = FinishReason("abort")
+
+    # --- text ----------------------------------------------------------------------------------
+
+    @property
+    def output_text(self) -> str:
+        """The generated text, without whatever stopped it: a matched stop string and anything
+        after it are trimmed, and a matched stop token / EOS is not part of the text."""
+        if self.tokenizer is None:
+            raise ValueError(f"request {self.rid} has no tokenizer, so it has no text; read output_ids")
+        if self._stop_str_pos is not None:
+            return self._detokenizer.text[: self._stop_str_pos]
+        ids = self.output_ids
+        if self.finished_reason is not None and isinstance(self.finished_reason.matched, int):
+            ids = ids[:-1]
+        return self._detokenizer.flush(ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)} tokens, "
+            f"output={len(self.output_ids)} tokens, cached_len={self.cached_len}, "
+            f"device_len={self.device_len}, finished_reason={self.finished_reason})"
+        )

@@ -1,0 +1,60 @@
+"""From a batch of next-token logits to one token per request.
+
+For each row: divide the logits by the request's temperature, turn them into probabilities,
+keep only the tokens that top-k, top-p and min-p all allow, and draw one of the kept tokens
+in proportion to its probability, using that request's own random generator.
+
+The three filters each look at the same temperature-scaled distribution and return the set
+of tokens they keep (a boolean mask), so each can be tested on its own; a token survives if
+all three keep it (SGLang's PyTorch sampler does the same). Every filter keeps at least the
+most likely token, so there is always something to draw.
+
+Greedy requests (temperature 0 or top_k 1) skip all of it: argmax of the raw logits, exact,
+with no softmax to spend time on or to round ties differently.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .req import Req
+
+
+def top_k_mask(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the ``top_k[i]`` most likely tokens of row ``i`` (``-1``: keep all).
+
+    probs: [B, V] float; top_k: [B] int. Returns a [B, V] bool mask of the kept tokens. Ties
+    at the boundary are broken by the sort, so exactly k tokens are kept.
+    """
+    raise NotImplementedError("Stage 2: keep the k most likely tokens of each row (k = -1 keeps the whole row) - see stages/s02_request_and_sampling/README.md")
+
+
+def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities add up to >= top_p.
+
+    A token is kept when the tokens more likely than it hold less than top_p of the mass, so
+    the most likely token is always kept. top_p = 1 keeps the whole row. Returns [B, V] bool.
+    """
+    raise NotImplementedError("Stage 2: keep the smallest set of most likely tokens whose mass reaches top_p - see stages/s02_request_and_sampling/README.md")
+
+
+def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens at least ``min_p`` times as likely as the most likely token of their row.
+
+    min_p = 0 keeps every token. Returns [B, V] bool.
+    """
+    raise NotImplementedError("Stage 2: keep tokens with p >= min_p * (the row's largest p) - see stages/s02_request_and_sampling/README.md")
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """One next token per request: logits [B, V] (row i belongs to reqs[i]) -> [B] int64.
+
+    Each row is drawn with its own request's generator, so a request's tokens depend on its
+    seed alone, not on the other requests in the batch.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(reqs):
+        raise ValueError(f"logits must be [batch, vocab] with one row per request; got {tuple(logits.shape)} for {len(reqs)} requests")
+    params = [req.sampling_params for req in reqs]
+    raise NotImplementedError("Stage 2: greedy fast path; otherwise temperature, the three masks, and one draw per row from its request's generator - see stages/s02_request_and_sampling/README.md")

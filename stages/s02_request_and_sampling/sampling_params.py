@@ -1,0 +1,71 @@
+"""What a caller may ask of one generation: how to sample, and when to stop.
+
+``SamplingParams`` is checked once, when it is built, so that an impossible request
+(``top_p=0``, ``temperature=-1``, an empty stop string) fails immediately with a message
+that says what was wrong and what is allowed, instead of surfacing ten steps later as a
+NaN inside the sampler or a request that never ends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+# A temperature this small is argmax in all but name, and dividing logits by it overflows
+# float32 (1e-7 is what SGLang uses for the same decision).
+GREEDY_TEMPERATURE = 1e-7
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy (always the most likely token)
+    top_k: int = -1  # keep the k most likely tokens; -1 = off
+    top_p: float = 1.0  # keep the smallest set of most likely tokens holding >= top_p of the mass
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)  # a str is accepted and wrapped in a list
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence token
+    seed: int | None = None  # None: the request draws a fresh seed (and records it)
+
+    def __post_init__(self) -> None:
+        # Normalise the convenient spellings first, so validation sees one shape.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        raise NotImplementedError("Stage 2: check every field and raise ValueError saying what is wrong and what is allowed - see stages/s02_request_and_sampling/README.md")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when only the most likely token can ever be picked: no randomness at all."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def stop_str_max_len(self) -> int:
+        """The longest stop string: how far back a newly finished stop string can start."""
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _real(name: str, value) -> float:
+    # bool is an int in Python; temperature=True is a bug in the caller, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,87 @@
+"""SamplingParams: impossible values are refused at once, with a message naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from s02_request_and_sampling.sampling_params import SamplingParams
+
+BAD = [
+    # (field, value, why it is impossible)
+    ("temperature", -0.5, "a negative temperature"),
+    ("temperature", math.nan, "NaN"),
+    ("temperature", math.inf, "infinity"),
+    ("temperature", "hot", "not a number"),
+    ("top_k", 0, "0 (use -1 for 'off')"),
+    ("top_k", -2, "a negative k other than -1"),
+    ("top_k", 2.5, "a fraction"),
+    ("top_p", 0.0, "0 (nothing could be kept)"),
+    ("top_p", -0.1, "a negative probability"),
+    ("top_p", 1.5, "more than 1"),
+    ("top_p", math.nan, "NaN"),
+    ("min_p", -0.01, "a negative probability"),
+    ("min_p", 1.01, "more than 1"),
+    ("min_p", math.inf, "infinity"),
+    ("max_new_tokens", 0, "0 (nothing to generate)"),
+    ("max_new_tokens", -5, "a negative count"),
+    ("max_new_tokens", 3.0, "a float"),
+    ("stop", "", "an empty stop string (it would match everywhere)"),
+    ("stop", ["ok", ""], "an empty stop string in the list"),
+    ("stop", [3], "a stop 'string' that is an int"),
+    ("stop_token_ids", [-1], "a negative token id"),
+    ("stop_token_ids", [1.5], "a fractional token id"),
+    ("seed", -1, "a negative seed"),
+    ("seed", 1.5, "a fractional seed"),
+]
+
+
+@pytest.mark.parametrize("field,value,why", BAD, ids=[f"{f}={v!r}" for f, v, _ in BAD])
+def test_impossible_value_raises_value_error(field, value, why):
+    try:
+        SamplingParams(**{field: value})
+    except ValueError as err:
+        assert field in str(err), (
+            f"SamplingParams({field}={value!r}) raised ValueError({str(err)!r}); the message should "
+            f"name the field '{field}' (and say what is allowed) so the caller knows what to fix"
+        )
+    else:
+        pytest.fail(f"SamplingParams({field}={value!r}) was accepted, but {why} is impossible: raise ValueError")
+
+
+GOOD = [
+    dict(temperature=0.0),
+    dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05),
+    dict(top_k=1),
+    dict(top_k=-1, top_p=1.0, min_p=0.0),
+    dict(min_p=1.0),
+    dict(max_new_tokens=1),
+    dict(stop=["\n\n", "END"], stop_token_ids=[0, 7]),
+    dict(ignore_eos=True, seed=0),
+    dict(seed=2**63),
+]
+
+
+@pytest.mark.parametrize("kwargs", GOOD, ids=[",".join(f"{k}={v!r}" for k, v in g.items()) for g in GOOD])
+def test_valid_values_are_accepted(kwargs):
+    params = SamplingParams(**kwargs)
+    for field, value in kwargs.items():
+        assert getattr(params, field) == value, f"SamplingParams({kwargs}) changed {field} to {getattr(params, field)!r}"
+
+
+def test_defaults_and_normalisation():
+    params = SamplingParams(stop="###")
+    assert params.stop == ["###"], f"a single stop string should become a list of one, got {params.stop!r}"
+    default = SamplingParams()
+    assert (default.temperature, default.top_k, default.top_p, default.min_p) == (1.0, -1, 1.0, 0.0)
+    assert (default.stop, default.stop_token_ids, default.ignore_eos, default.seed) == ([], [], False, None)
+
+
+@pytest.mark.parametrize(
+    "kwargs,greedy",
+    [(dict(temperature=0.0), True), (dict(top_k=1), True), (dict(temperature=0.0, top_p=0.5), True),
+     (dict(temperature=1.0), False), (dict(temperature=0.2, top_k=2), False)],
+)
+def test_is_greedy(kwargs, greedy):
+    assert SamplingParams(**kwargs).is_greedy is greedy, f"SamplingParams({kwargs}).is_greedy should be {greedy}"
