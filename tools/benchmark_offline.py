@@ -45,8 +45,8 @@ def run_stage3(model, tokenizer, prompts: Prompts, output_len: int, args) -> Pro
 
 
 def run_stage4(model, tokenizer, prompts: Prompts, output_len: int, args) -> Prompts:
+    from s02_request_and_sampling.engine import make_reqs
     from s04_paged_kv_pool.engine import StaticBatchEngine, slots_needed
-    from s03_kv_cache.engine import make_reqs
 
     params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
     reqs = make_reqs(tokenizer, prompts, params)

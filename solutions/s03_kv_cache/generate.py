@@ -1,0 +1,92 @@
+"""Greedy generation with a KV cache: prefill the prompt once, then one token per step.
+
+    prefill:  [p0 p1 ... pn-1]  -> K/V of n positions stored, logits for token n
+    decode:   [t0] at position n      -> 1 more position stored, logits for token n+1
+    decode:   [t1] at position n+1    -> ...
+
+Each decode step computes one token's projections and MLP and attends one query over the
+cache, so step t costs O(n + t) instead of stage 1's O((n + t)^2): producing N tokens goes
+from O(N^3) to O(N^2).
+
+The last generated token is returned but never fed back (nothing would read its K/V), so after
+every step the cache holds exactly len(prompt) + len(generated) - 1 positions.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.model import CausalLM
+
+from .backend import KVCacheBackend
+from .kv_cache import KVCache
+
+
+def extend(model: CausalLM, caches: Sequence[KVCache], new_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Run each request's new tokens after what its cache already holds, in one forward pass.
+
+    Request i's tokens take positions [caches[i].seq_len, caches[i].seq_len + len(new_token_ids[i]));
+    their K/V are added to caches[i]. Returns float32 logits [num_reqs, vocab] for the token that
+    follows each request's last new token.
+    """
+    if len(caches) != len(new_token_ids):
+        raise ValueError(f"{len(caches)} caches but {len(new_token_ids)} lists of new tokens")
+    # BEGIN EXERCISE: reserve room in every cache, build one ForwardBatch whose prefix lengths are the caches' seq_len (with a KVCacheBackend over the caches), run the model, then record each cache's new seq_len
+    for cache, ids in zip(caches, new_token_ids):
+        cache.reserve(cache.seq_len + len(ids))
+    batch = ForwardBatch.build(
+        new_token_ids, [cache.seq_len for cache in caches], KVCacheBackend(caches), device=model.device
+    )
+    logits = model(batch)
+    # Only now, with every layer written, do the new positions count as cached.
+    for cache, seq_len in zip(caches, batch.seq_lens):
+        cache.seq_len = seq_len
+    return logits
+    # END EXERCISE
+
+
+def stream_generate(
+    model: CausalLM,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    cache: KVCache | None = None,
+) -> Iterator[int]:
+    """Yield the greedy continuation of ``input_ids`` one token at a time (same stopping rule as
+    stage 1: at most ``max_new_tokens``, ending with an EOS id if one is produced).
+
+    Without ``cache`` one is preallocated for the whole generation. A given cache must be empty;
+    it is left holding the K/V of every token but the last one yielded.
+    """
+    if not input_ids:
+        raise ValueError("input_ids is empty: a prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if cache is None:
+        # Every position but the last generated token's is written: allocate exactly that.
+        cache = KVCache.for_model(model, capacity=len(input_ids) + max_new_tokens - 1)
+    elif cache.seq_len != 0:
+        raise ValueError(f"the cache already holds {cache.seq_len} positions; generation needs an empty one")
+    # BEGIN EXERCISE: prefill the whole prompt once with extend; then loop: greedy pick (argmax), yield it, stop at an EOS id or after max_new_tokens, otherwise extend by that one token
+    logits = extend(model, [cache], [list(input_ids)])[0]
+    for step in range(max_new_tokens):
+        next_id = int(torch.argmax(logits))
+        yield next_id
+        if next_id in eos_token_ids or step == max_new_tokens - 1:
+            return  # no decode for the last token: its K/V would never be read
+        logits = extend(model, [cache], [[next_id]])[0]
+    # END EXERCISE
+
+
+def cached_generate(
+    model: CausalLM,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    cache: KVCache | None = None,
+) -> list[int]:
+    """Stage 1's ``naive_generate`` contract (greedy, EOS kept), computed with a KV cache."""
+    return list(stream_generate(model, input_ids, max_new_tokens, eos_token_ids, cache))

@@ -1,0 +1,73 @@
+"""``PagedAttentionBackend``: attention whose K/V live in the shared pool, found through the
+request -> slots table.
+
+Once per forward pass, ``init_forward_metadata`` turns the batch into flat index arrays (the
+layout SGLang's triton and FlashInfer backends use)::
+
+    qo_indptr   [num_reqs + 1]   request i's new tokens are rows qo_indptr[i]:qo_indptr[i+1] of q
+    kv_indptr   [num_reqs + 1]   request i's K/V slots are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices  [sum(seq_lens)]  req_to_token[row_i, 0:seq_len_i] for every request, concatenated
+
+Then per layer ``forward``
+
+    1. writes the new tokens' k, v into their slots: pool[out_cache_loc[t]] = k[t], v[t]
+    2. gathers every request's K/V from the pool with kv_indices (a copy, [sum(seq_lens), ...])
+    3. runs causal attention per request: its new queries over its gathered prefix + new keys.
+
+A request with prefix_len = 0 is a prefill, extend_len = 1 a decode, anything between an
+extend after a cached prefix (stage 6 reuses prefixes, stage 7 splits long prompts): one
+ragged batch may mix all three. The backend never looks at a request's history; it only
+follows the table, which is what lets any slot hold any token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from s00_foundation.attention import AttentionBackend, causal_attention
+from s00_foundation.forward_batch import ForwardBatch
+
+from .memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+@dataclass
+class ForwardMetadata:
+    batch: ForwardBatch  # the batch these indices were computed for
+    qo_indptr: torch.Tensor  # [num_reqs + 1] int32
+    kv_indptr: torch.Tensor  # [num_reqs + 1] int32
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """Plain PyTorch: a gather through the table, then SDPA per request. Runs on any device."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.forward_metadata: ForwardMetadata | None = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Compute the batch's index arrays once, before the model runs its layers."""
+        if batch.req_pool_indices is None or batch.out_cache_loc is None:
+            raise ValueError("a paged forward batch needs req_pool_indices and out_cache_loc")
+        if len(batch.out_cache_loc) != len(batch.input_ids):
+            raise ValueError(f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens")
+        device = batch.input_ids.device
+        rows = batch.req_pool_indices.tolist()
+        raise NotImplementedError("Stage 4: build qo_indptr and kv_indptr (int32 running offsets starting at 0, from extend_lens and seq_lens) and kv_indices (the slots req_to_token[row, :seq_len] of every request, concatenated) - see stages/s04_paged_kv_pool/README.md")
+        self.forward_metadata = ForwardMetadata(batch, qo_indptr, kv_indptr, kv_indices)
+
+    def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
+        if self.forward_metadata is None or self.forward_metadata.batch is not batch:
+            raise RuntimeError(
+                "the paged backend has no metadata for this batch: call attn_backend.init_forward_metadata(batch) "
+                "before model(batch) (ModelRunner.forward does it)"
+            )
+        return self.forward_metadata
+
+    def forward(self, q, k, v, layer_id, batch):
+        meta = self.metadata_for(batch)
+        pool = self.token_to_kv_pool
+        raise NotImplementedError("Stage 4: write k, v into the pool at batch.out_cache_loc (set_kv_buffer), gather this layer's K/V at meta.kv_indices, then attend each request's queries over its own gathered K/V with causal_attention - see stages/s04_paged_kv_pool/README.md")
