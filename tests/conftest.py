@@ -33,9 +33,12 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        match = STAGE_DIR.match(Path(str(item.fspath)).parent.name)
+        folder = Path(str(item.fspath)).parent.name
+        match = STAGE_DIR.match(folder)
         if match:
             item.add_marker(pytest.mark.stage(int(match.group(1))))
+        if folder == "gpu":
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -61,6 +64,20 @@ def tiny_models_root(tmp_path_factory) -> Path:
 def tiny_model_dir(request, tiny_models_root) -> Path:
     """A tiny random model folder of each family in turn (llama, llama3, qwen2, qwen3)."""
     return tiny_models_root / request.param
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    """The GPU. Without one: a skip with the reason, or a failure under ENGINE_REQUIRE_GPU=1
+    (`make test-gpu`), so a GPU run can never pass by skipping everything."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    reason = f"needs a CUDA GPU; torch {torch.__version__} sees none on this machine"
+    if os.environ.get("ENGINE_REQUIRE_GPU") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
