@@ -8,6 +8,7 @@ they depend on the machine (its device, its load) as much as on the code.
 
     python tools/benchmark_offline.py --stage 3 --num-requests 8 --input-len 64 --output-len 64
     python tools/benchmark_offline.py --stage 4 --model Qwen/Qwen3-0.6B --num-requests 32
+    python tools/benchmark_offline.py --stage 5      # the field's usual workload: see benchmark_continuous
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
 Later stages add their engine to ENGINES below.
@@ -56,9 +57,24 @@ def run_stage4(model, tokenizer, prompts: Prompts, output_len: int, args) -> Pro
     return [req.output_ids for req in reqs]
 
 
+def run_stage5(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> Prompts:
+    from s05_continuous_batching.engine import Engine
+
+    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lens]
+    # By default the pool holds every request at its longest, as stage 4's does: --pool-size smaller forces retractions.
+    p = args.page_size
+    pool_size = args.pool_size or sum(-(-(len(ids) + n - 1) // p) * p for ids, n in zip(prompts, lens))
+    engine = Engine(model, tokenizer, pool_size=pool_size, page_size=args.page_size,
+                    max_running_requests=args.max_running_requests or len(prompts),
+                    max_prefill_tokens=args.max_prefill_tokens)
+    return [out.output_ids for out in engine.generate(prompts, params)]
+
+
 ENGINES: dict[int, tuple[str, Callable]] = {
     3: ("stage 3: per-request KV caches, all requests in one ragged pass per step", run_stage3),
     4: ("stage 4: static batch out of one paged KV pool", run_stage4),
+    5: ("stage 5: continuous batching (scheduler, mixed prefill + decode passes, retraction)", run_stage5),
 }
 
 
@@ -85,6 +101,100 @@ def timed(fn: Callable[[], Prompts], device: torch.device) -> tuple[Prompts, flo
     return result, time.perf_counter() - start
 
 
+def continuous_workload(device: torch.device) -> dict:
+    """Stage 5's default workload, the field's usual offline one (nano-vllm's benchmark): random
+    prompts, input and output lengths uniform in 100..1024, 256 requests, EOS ignored; scaled down
+    to 32 requests of 32..128 / 32..128 tokens on a CPU. Explicit flags override it."""
+    if device.type == "cuda":
+        return dict(num_requests=256, input_len=1024, output_len=1024, range_ratio=100 / 1024, output_range_ratio=100 / 1024)
+    return dict(num_requests=32, input_len=128, output_len=128, range_ratio=0.25, output_range_ratio=0.25)
+
+
+def run_transformers_static_batches(hf_model, prompts: Prompts, output_lens: list[int], pad_id: int, batch_size: int) -> Prompts:
+    """``generate`` on ``batch_size`` requests at a time: each batch runs until its longest output."""
+    outputs = []
+    for start in range(0, len(prompts), batch_size):
+        lens = output_lens[start : start + batch_size]
+        batch = run_transformers(hf_model, prompts[start : start + batch_size], max(lens), pad_id)
+        outputs += [ids[:n] for ids, n in zip(batch, lens)]
+    return outputs
+
+
+def run_transformers_continuous(hf_model, prompts: Prompts, output_lens: list[int], pad_id: int) -> Prompts:
+    """transformers' own continuous batching (the manager behind ``generate_batch``), with each
+    request's own max_new_tokens. The manager is kept between calls, so the timed run does not
+    pay for its setup (the warm-up call does)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+    results = {}
+    with hf_model.continuous_batching_context_manager(generation_config=config, persistent_manager=True) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, output_lens)]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("its generation thread stopped before every request finished")
+    return [list(results[i].generated_tokens) for i in ids]
+
+
+def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
+    """Stage 5: requests of mixed input and output lengths, this engine vs transformers generate
+    (static batches) vs transformers' continuous batching, on the same requests."""
+    generator = torch.Generator().manual_seed(args.seed)
+    n = args.num_requests
+
+    def uniform(ratio: float, high: int) -> list[int]:
+        return torch.randint(max(1, int(ratio * high)), high + 1, (n,), generator=generator).tolist()
+
+    input_lens, output_lens = uniform(args.range_ratio, args.input_len), uniform(args.output_range_ratio, args.output_len)
+    vocab = model.config.vocab_size  # ids from the middle of the vocabulary: ordinary tokens, no special ones
+    prompts = [torch.randint(vocab // 10, vocab // 2, (k,), generator=generator).tolist() for k in input_lens]
+    total = sum(output_lens)
+    name, engine = ENGINES[5]
+    print(f"model: {path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
+    print(f"{SWITCH.describe()}")
+    print(f"{n} requests, prompts of {min(input_lens)}..{max(input_lens)} tokens, outputs of {min(output_lens)}..{max(output_lens)} "
+          f"tokens ({total} in all, EOS ignored), greedy; throughput = output tokens / wall time")
+
+    engine(model, tokenizer, prompts[:1], 2, args)  # warm-up
+    ours, ours_s = timed(lambda: engine(model, tokenizer, prompts, output_lens, args), device)
+    print(f"\n{name}")
+    print(f"  engine:                            {total:7d} tokens in {ours_s:8.2f} s = {total / ours_s:9.1f} tokens/s")
+    if args.skip_transformers:
+        return
+
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0
+    batch = args.hf_batch_size or n
+    run_transformers(hf_model, prompts[:1], 2, pad_id)  # warm-up
+    static, static_s = timed(lambda: run_transformers_static_batches(hf_model, prompts, output_lens, pad_id, batch), device)
+    print(f"  transformers generate, static:     {total:7d} tokens in {static_s:8.2f} s = {total / static_s:9.1f} tokens/s "
+          f"(batches of {batch}, left-padded, each runs to its longest output)")
+    try:
+        run_transformers_continuous(hf_model, prompts[:1], [2], pad_id)  # warm-up, and the manager's setup
+        cb, cb_s = timed(lambda: run_transformers_continuous(hf_model, prompts, output_lens, pad_id), device)
+        print(f"  transformers continuous batching:  {total:7d} tokens in {cb_s:8.2f} s = {total / cb_s:9.1f} tokens/s "
+              "(its ContinuousBatchingManager, each request with its own max_new_tokens)")
+    except Exception as error:  # an older transformers, or a device its manager does not support
+        cb = None
+        print(f"  transformers continuous batching:  did not run here: {type(error).__name__}: {error}")
+    finally:
+        if hasattr(hf_model, "destroy_cached_continuous_batching_manager"):
+            hf_model.destroy_cached_continuous_batching_manager()
+    print(f"  engine / transformers static:      {static_s / ours_s:.2f}x on {describe(device)}")
+    if cb is not None:
+        print(f"  engine / transformers continuous:  {cb_s / ours_s:.2f}x on {describe(device)}")
+    for what, theirs in (("static", static), ("continuous", cb)):
+        if theirs is not None:
+            same = sum(a == b for a, b in zip(ours, theirs))
+            print(f"  greedy outputs identical to transformers {what} for {same}/{n} requests "
+                  "(informative: padding and reduced precision may shift near-ties)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, required=True, choices=sorted(ENGINES))
@@ -99,9 +209,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--skip-transformers", action="store_true", help="time only the engine")
+    stage5 = parser.add_argument_group("stage 5 (its defaults: see continuous_workload)")
+    stage5.add_argument("--output-range-ratio", type=float, default=1.0,
+                        help="output lengths are uniform in [ratio * output-len, output-len]")
+    stage5.add_argument("--max-running-requests", type=int, default=None, help="default: all requests")
+    stage5.add_argument("--max-prefill-tokens", type=int, default=4096)
+    stage5.add_argument("--pool-size", type=int, default=None, help="KV slots (default: all requests at their longest)")
+    stage5.add_argument("--hf-batch-size", type=int, default=None, help="transformers static batch size (default: all requests)")
     args = parser.parse_args()
+    if args.stage == 5:  # the field's usual workload, scaled to the device; explicit flags still win
+        parser.set_defaults(**continuous_workload(torch.device(args.device) if args.device else default_device()))
+        args = parser.parse_args()
     if not 0 < args.range_ratio <= 1:
         parser.error("--range-ratio must be in (0, 1]")
+    if not 0 < args.output_range_ratio <= 1:
+        parser.error("--output-range-ratio must be in (0, 1]")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,6 +231,8 @@ def main() -> None:
     device = torch.device(args.device) if args.device else default_device()
     dtype = default_dtype(device)
     model, tokenizer = load_model(path, device=device, dtype=dtype), Tokenizer(path)
+    if args.stage == 5:
+        return benchmark_continuous(args, model, tokenizer, path, device, dtype)
 
     generator = torch.Generator().manual_seed(args.seed)
     low = max(1, int(args.range_ratio * args.input_len))

@@ -16,7 +16,7 @@ through its row.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,6 +44,39 @@ def max_positions(req: Req) -> int:
 def slots_needed(reqs: Sequence[Req], page_size: int) -> int:
     """KV slots a batch needs at its longest, counted in whole pages per request."""
     return sum(pages_for(max_positions(req), page_size) for req in reqs) * page_size
+
+
+AllocSlots = Callable[[Sequence[int], Sequence[int], Sequence[int]], torch.Tensor]
+
+
+def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: AllocSlots | None = None) -> ForwardBatch:
+    """The ForwardBatch for ``reqs``, each sending fill_ids[cached_len:device_len], with
+    slots allocated for those positions and recorded in the request's table row.
+
+    ``alloc_slots(prefix_lens, seq_lens, last_locs)`` defaults to the allocator's
+    ``alloc_extend``; stage 5's ScheduleBatch passes one that first evicts from its prefix cache.
+    """
+    table = runner.req_to_token_pool.req_to_token
+    rows = [req.req_pool_idx for req in reqs]
+    prefix_lens = [req.cached_len for req in reqs]
+    seq_lens = [req.device_len for req in reqs]
+    # The slot of each request's newest stored position (its last page gets filled first).
+    last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
+    # BEGIN EXERCISE: allocate out_cache_loc for positions [prefix_len, seq_len) of every request (alloc_slots, or runner.allocator.alloc_extend when it is None), write each request's share into its req_to_token row at those positions, and build the ForwardBatch (runner.attn_backend, req_pool_indices, out_cache_loc)
+    out_cache_loc = (alloc_slots or runner.allocator.alloc_extend)(prefix_lens, seq_lens, last_locs)
+    start = 0
+    for row, prefix_len, seq_len in zip(rows, prefix_lens, seq_lens):
+        table[row, prefix_len:seq_len] = out_cache_loc[start : start + seq_len - prefix_len]
+        start += seq_len - prefix_len
+    return ForwardBatch.build(
+        [req.fill_ids[req.cached_len : req.device_len] for req in reqs],
+        prefix_lens,
+        runner.attn_backend,
+        device=runner.device,
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=runner.device),
+        out_cache_loc=out_cache_loc,
+    )
+    # END EXERCISE
 
 
 class StaticBatchEngine:
@@ -98,29 +131,7 @@ class StaticBatchEngine:
     # --- one step -------------------------------------------------------------------------------
 
     def prepare_forward(self, reqs: Sequence[Req]) -> ForwardBatch:
-        """The ForwardBatch for ``reqs``, each sending fill_ids[cached_len:device_len], with
-        slots allocated for those positions and recorded in the request's table row."""
-        runner, table = self.runner, self.runner.req_to_token_pool.req_to_token
-        rows = [req.req_pool_idx for req in reqs]
-        prefix_lens = [req.cached_len for req in reqs]
-        seq_lens = [req.device_len for req in reqs]
-        # The slot of each request's newest stored position (its last page gets filled first).
-        last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
-        # BEGIN EXERCISE: allocate out_cache_loc for positions [prefix_len, seq_len) of every request (allocator.alloc_extend), write each request's share into its req_to_token row at those positions, and build the ForwardBatch (runner.attn_backend, req_pool_indices, out_cache_loc)
-        out_cache_loc = runner.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
-        start = 0
-        for row, prefix_len, seq_len in zip(rows, prefix_lens, seq_lens):
-            table[row, prefix_len:seq_len] = out_cache_loc[start : start + seq_len - prefix_len]
-            start += seq_len - prefix_len
-        return ForwardBatch.build(
-            [req.fill_ids[req.cached_len : req.device_len] for req in reqs],
-            prefix_lens,
-            runner.attn_backend,
-            device=runner.device,
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=runner.device),
-            out_cache_loc=out_cache_loc,
-        )
-        # END EXERCISE
+        return prepare_forward(self.runner, reqs)
 
     def release(self, req: Req) -> None:
         """Give a finished request's slots and table row back."""

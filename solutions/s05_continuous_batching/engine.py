@@ -1,0 +1,193 @@
+"""``Engine``: continuous batching behind two small APIs.
+
+Offline, the whole workload at once (outputs in the prompts' order, with per-request stats)::
+
+    engine = Engine()        # the default model; or Engine("Qwen/Qwen3-0.6B"), Engine(model, tokenizer)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=64))
+
+Step by step, for a server that streams (stage 9 drives this)::
+
+    engine.add_request("Hi!", params, rid="a")          # ValueError if it could never be served
+    while engine.has_work:
+        for out in engine.step():                       # one forward pass
+            print(out.rid, out.new_token_ids, out.finish_reason)
+
+The engine owns a ``ModelRunner`` (the model, the KV pool, the table, the attention backend) and
+a ``Scheduler`` (which decides what runs each step); everything else is wiring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from s00_foundation.loader import load_model
+from s00_foundation.model import CausalLM
+from s00_foundation.paths import default_model_path
+from s00_foundation.tokenizer import Tokenizer
+from s02_request_and_sampling.engine import GenerateOutput, PromptInput, encode
+from s02_request_and_sampling.req import FinishReason, Req
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s04_paged_kv_pool.model_runner import ModelRunner
+
+from .prefix_cache import NoPrefixCache
+from .scheduler import Scheduler, TokenOutput
+from .trace import StepTrace, print_trace
+
+CPU_POOL_BYTES = 1 << 30  # a CPU engine's default KV pool: at most 1 GiB ...
+CPU_POOL_TOKENS = 8192  # ... and at most this many slots
+GPU_POOL_FRACTION = 0.5  # a CUDA engine's default KV pool: this share of the free GPU memory
+
+
+@dataclass
+class RequestOutput(GenerateOutput):
+    """Stage 2's output plus per-request timing; a rejected request has no tokens, finish_reason
+    "abort", the error in ``error`` and the seed it was given (None if it had none)."""
+
+    ttft: float | None  # seconds from arrival to the first token (None if it never got one)
+    latency: float | None  # seconds from arrival to the end (None if it never ran)
+    error: str | None = None  # why the request was rejected (then finish_reason is "abort", no tokens)
+
+
+def default_pool_size(model: CausalLM, page_size: int) -> int:
+    """KV slots when the caller does not say: half the free GPU memory on CUDA (the model is
+    already loaded), on a CPU 1 GiB or 8192 tokens, whichever is smaller."""
+    per_token = model.config.kv_bytes_per_token(model.dtype)
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        tokens = int(GPU_POOL_FRACTION * free) // per_token
+    else:
+        tokens = min(CPU_POOL_TOKENS, CPU_POOL_BYTES // per_token)
+    return max(page_size, tokens // page_size * page_size)
+
+
+def request_output(req: Req) -> RequestOutput:
+    times = req.time_stats
+    return RequestOutput(
+        text=req.output_text if req.tokenizer is not None else "",
+        output_ids=list(req.output_ids),
+        finish_reason=req.finished_reason,
+        prompt_tokens=len(req.origin_input_ids),
+        output_tokens=len(req.output_ids),
+        seed=req.seed,
+        ttft=None if times.first_token is None else times.first_token - times.arrival,
+        latency=None if times.finished is None else times.finished - times.arrival,
+    )
+
+
+def rejected_output(prompt_tokens: int, params: SamplingParams, error: Exception) -> RequestOutput:
+    return RequestOutput(
+        text="", output_ids=[], finish_reason=FinishReason("abort"), prompt_tokens=prompt_tokens, output_tokens=0,
+        seed=params.seed, ttft=None, latency=None, error=str(error),
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | Path | CausalLM | None = None,
+        tokenizer: Tokenizer | None = None,
+        *,
+        pool_size: int | None = None,
+        page_size: int = 1,
+        max_running_requests: int = 64,
+        max_prefill_tokens: int = 4096,
+        new_token_ratio: float = 0.5,
+        max_context_len: int | None = None,
+        attention_backend: str = "auto",
+        trace: bool | Callable[[StepTrace], None] = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        """``model``: a model folder or hub id (default: SmolLM2-135M-Instruct), loaded with its
+        tokenizer, or an already loaded ``CausalLM`` (then pass ``tokenizer`` to use text prompts;
+        without one, prompts are token ids). ``pool_size``: KV slots (default: see
+        ``default_pool_size``); ``max_running_requests``: table rows, the most requests in one
+        pass; ``max_prefill_tokens`` and ``new_token_ratio``: see ``Scheduler``. ``trace=True``
+        prints one line per step; a callable gets each step's ``StepTrace`` instead."""
+        if model is None or isinstance(model, (str, Path)):
+            path = model if model is not None else default_model_path()
+            model = load_model(path, device=device, dtype=dtype)
+            tokenizer = tokenizer or Tokenizer(path)
+        self.model, self.tokenizer = model, tokenizer
+        pool_size = pool_size if pool_size is not None else default_pool_size(model, page_size)
+        context = min(model.config.max_position_embeddings, pool_size)
+        self.runner = ModelRunner(model, pool_size, page_size, max_running_requests, max_context_len or context, attention_backend)
+        on_step = print_trace if trace is True else (trace or None)
+        self.scheduler = Scheduler(
+            self.runner, NoPrefixCache(self.runner.allocator), max_prefill_tokens=max_prefill_tokens,
+            new_token_ratio=new_token_ratio, on_step=on_step,
+        )
+        self._next_rid = 0
+
+    # --- the step API -----------------------------------------------------------------------------
+
+    def make_req(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None) -> Req:
+        """A ``Req`` for ``prompt`` (text, chat messages or token ids); rid defaults to a counter."""
+        if rid is None:
+            rid, self._next_rid = self._next_rid, self._next_rid + 1
+        if self.tokenizer is None:
+            if isinstance(prompt, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError(f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}")
+            ids, eos = list(prompt), self.model.config.eos_token_ids
+        else:
+            ids, eos = encode(self.tokenizer, prompt), None  # None: the tokenizer's EOS ids
+        return Req(rid, ids, sampling_params or SamplingParams(), tokenizer=self.tokenizer, eos_token_ids=eos)
+
+    def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None) -> Req:
+        """Queue one request; raises ValueError if it is malformed or could never be served."""
+        req = self.make_req(prompt, sampling_params, rid)
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> list[TokenOutput]:
+        with torch.inference_mode():
+            return self.scheduler.step()
+
+    def abort_request(self, rid: Hashable) -> bool:
+        return self.scheduler.abort_request(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the offline API --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; the outputs come back in the prompts' order.
+
+        ``prompts`` is a list of prompts (a single string is accepted as a list of one);
+        ``sampling_params`` is one SamplingParams for all or one per prompt. A request that
+        cannot be served (a malformed prompt, or one that could never fit the model's context
+        or the KV pool) does not stop the others: its output has finish_reason "abort", no
+        tokens, and ``error`` says why. Every other request runs as if it were alone.
+        """
+        if self.has_work:
+            raise RuntimeError("generate() needs an idle engine, but requests added with add_request are still in flight")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt")
+        entries: list[Req | RequestOutput] = []  # in the prompts' order, whatever order they finish in
+        for prompt, params in zip(prompts, sampling_params):
+            req = None
+            try:
+                req = self.make_req(prompt, params)
+                self.scheduler.add_request(req)
+                entries.append(req)
+            except ValueError as error:
+                entries.append(rejected_output(len(req.origin_input_ids) if req else 0, params, error))
+        while self.has_work:
+            self.step()
+        return [request_output(e) if isinstance(e, Req) else e for e in entries]

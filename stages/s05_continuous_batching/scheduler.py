@@ -1,0 +1,345 @@
+"""``Scheduler``: continuous batching - requests join and leave the running batch at every step.
+
+A static batch (stage 4) starts together and ends with its slowest request; a slot freed early
+sits idle and newcomers wait for the whole batch. Here the batch is rebuilt every step::
+
+    add_request ─▶ waiting (FCFS) ──admit──▶ running ──finished──▶ retired: slots and row freed at once
+                      ▲                         │
+                      └──── retract (front) ◀───┘  the pool cannot hold every running request's next token
+
+One ``step()``:
+
+    1. retract  if the pool cannot give every running request the slot of its next token, send
+                the most recently admitted ones back to the FRONT of the waiting queue: their
+                slots are freed, their generated tokens kept, and they are recomputed (one
+                prefill of prompt + generated tokens) when readmitted
+    2. admit    take waiting requests in arrival order while the step's prefill budget
+                (max_prefill_tokens), the request rows and the pool's free room allow
+    3. build    one ScheduleBatch -> one ragged ForwardBatch: the running requests' decodes and
+                the admitted requests' prefills side by side
+    4. run      one forward pass; one sample per request, each with its own SamplingParams
+    5. process  append each token, check its stop conditions; a finished request is retired
+                right away, so its slots serve someone else in the very next step
+
+Room is counted in KV slots. Admission keeps some back for the requests already running: the
+slots of their next pass plus ``new_token_ratio`` of the tokens they may still generate. With a
+ratio of 1 nothing admitted can ever run short (as careful as a static batch); with a lower one
+more requests run at once, and when a guess was too low, step 1 repairs it by retracting.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+import torch
+
+from s02_request_and_sampling.engine import check_not_stuck
+from s02_request_and_sampling.req import FinishReason, Req
+from s02_request_and_sampling.sampler import sample
+from s04_paged_kv_pool.allocator import pages_for
+from s04_paged_kv_pool.model_runner import ModelRunner
+
+from .prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
+from .schedule_batch import ScheduleBatch, slots_to_extend
+from .trace import StepTrace
+
+
+@dataclass
+class TimeStats:
+    """When things happened to one request (scheduler clock, seconds)."""
+
+    arrival: float  # add_request
+    scheduled: list[float] = field(default_factory=list)  # each admission (again after a retraction)
+    retracted: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    finished: float | None = None  # finished or aborted
+
+
+@dataclass
+class TokenOutput:
+    """What one step did for one request: the tokens it gained, and whether it is over."""
+
+    rid: Hashable
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None  # None while the request goes on
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0  # forward passes run
+    peak_running: int = 0  # most requests in one forward pass
+    num_retractions: int = 0
+    prefill_tokens: int = 0  # tokens computed by prefills (recomputed ones included)
+    decode_tokens: int = 0  # tokens computed by decodes
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        prefix_cache: PrefixCache | None = None,
+        max_prefill_tokens: int = 4096,
+        new_token_ratio: float = 0.5,
+        on_step: Callable[[StepTrace], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        """Schedule requests onto ``runner`` (its pool, allocator and table).
+
+        ``max_prefill_tokens``: prompt tokens admitted per step (a single longer prompt still
+        runs, alone in its step). ``new_token_ratio``: the share of each running request's
+        remaining max_new_tokens that admission keeps free for it. ``on_step`` receives a
+        ``StepTrace`` after every step (``trace.print_trace`` prints it as one line).
+        """
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if not 0 <= new_token_ratio <= 1:
+            raise ValueError(f"new_token_ratio must be in [0, 1], got {new_token_ratio}")
+        self.runner = runner
+        self.prefix_cache = prefix_cache if prefix_cache is not None else NoPrefixCache(runner.allocator)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.new_token_ratio = new_token_ratio
+        self.max_running_requests = runner.req_to_token_pool.size  # one table row per running request
+        self.on_step = on_step
+        self.clock = clock
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # in admission order: the newest are retracted first
+        self.stats = SchedulerStats()
+
+    # --- requests in and out ----------------------------------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.runner.page_size
+
+    def check_servable(self, req: Req) -> None:
+        """Raise ValueError if ``req`` could never finish here, whatever else runs."""
+        prompt, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
+        longest = prompt + max_new - 1  # positions stored at the end (the last token is never fed back)
+        context = self.runner.model.config.max_position_embeddings
+        pool, table_width = self.runner.allocator.size, self.runner.req_to_token_pool.max_context_len
+        if prompt > context:
+            raise ValueError(f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens")
+        if longest > context:
+            raise ValueError(
+                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} positions, "
+                f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}"
+            )
+        needed = pages_for(longest, self.page_size) * self.page_size
+        if needed > pool:
+            what = f"its prompt alone ({prompt} tokens)" if prompt > pool else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            raise ValueError(
+                f"request {req.rid}: {what} needs up to {needed} KV slots, but the whole KV pool has {pool}; "
+                "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens"
+            )
+        if longest > table_width:
+            raise ValueError(
+                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per request "
+                "(max_context_len); raise max_context_len or lower max_new_tokens"
+            )
+
+    def add_request(self, req: Req) -> None:
+        """Queue a new request (last in line). Raises ValueError, queueing nothing, if it could
+        never be served (see ``check_servable``) or its rid is already in use."""
+        if req.output_ids or req.cached_len or req.finished:
+            raise ValueError(f"request {req.rid} has already run; add a fresh Req")
+        if any(other.rid == req.rid for other in (*self.waiting, *self.running)):
+            raise ValueError(f"request id {req.rid!r} is already waiting or running; request ids must be unique")
+        self.check_servable(req)
+        req.req_pool_idx = None  # its row in the request -> slots table, while it runs
+        req.prefix_match = None  # what the prefix cache gave it, while it runs
+        req.time_stats = TimeStats(arrival=self.clock())
+        self.waiting.append(req)
+
+    def abort_request(self, rid: Hashable) -> bool:
+        """End a waiting or running request now (finish reason "abort"), freeing what it holds.
+        Returns False if no such request is waiting or running."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)  # a waiting request holds no memory
+                break
+        else:
+            for req in self.running:
+                if req.rid == rid:
+                    self.running.remove(req)
+                    self.release_req(req, insert=False)
+                    break
+            else:
+                return False
+        req.abort()
+        req.time_stats.finished = self.clock()
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- memory -------------------------------------------------------------------------------------
+
+    def available_slots(self) -> int:
+        """Slots a pass could use now: the free ones plus those the prefix cache can evict."""
+        return self.runner.allocator.available_size() + self.prefix_cache.evictable_size()
+
+    def next_pass_slots(self, reqs) -> int:
+        """Fresh slots the next pass of ``reqs`` takes (one decode token each, in whole pages)."""
+        return sum(slots_to_extend(req, self.page_size) for req in reqs)
+
+    def future_slots(self, req: Req) -> int:
+        """Slots kept back for what ``req`` may still generate after its next pass:
+        ``new_token_ratio`` of its remaining max_new_tokens."""
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+        return math.ceil(self.new_token_ratio * max(remaining, 0))
+
+    def start_req(self, req: Req, match: PrefixMatch) -> None:
+        """Give an admitted request a table row whose first ``match.cached_len`` positions point
+        at the cached slots (none here); its next pass computes the rest of its fill_ids."""
+        self.prefix_cache.lock(match)
+        [row] = self.runner.req_to_token_pool.alloc(1)
+        self.runner.req_to_token_pool.req_to_token[row, : match.cached_len] = match.slots
+        req.req_pool_idx, req.prefix_match, req.cached_len = row, match, match.cached_len
+        req.time_stats.scheduled.append(self.clock())
+
+    def release_req(self, req: Req, insert: bool) -> None:
+        """A request leaves the running batch (finished, retracted or aborted): its K/V go to the
+        prefix cache (which frees every slot it does not keep) and its table row is freed.
+        Afterwards it holds nothing: req_pool_idx and prefix_match are None, cached_len is 0."""
+        raise NotImplementedError("Stage 5: hand the slots of the request's stored positions (table row up to cached_len) with their tokens to self.prefix_cache.cache_finished_req (insert as given), free its table row, then reset req_pool_idx, prefix_match and cached_len - see stages/s05_continuous_batching/README.md")
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def retract_for_decode(self) -> list[Req]:
+        """Called when the pool cannot hold the next pass of every running request: retract the
+        most recently admitted ones (to the front of the waiting queue) until it can.
+        Returns the retracted requests, newest first."""
+        retracted: list[Req] = []
+        raise NotImplementedError("Stage 5: while more than one request runs and their next pass needs more slots (self.next_pass_slots) than self.available_slots(): take the most recently admitted running request out, release it (insert=False: it gets no prefix-cache entry) and put it back at the FRONT of self.waiting - see stages/s05_continuous_batching/README.md")
+        if self.running and self.next_pass_slots(self.running) > self.available_slots():
+            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
+                   else "retract_for_decode must retract until the others fit")
+            raise RuntimeError(
+                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
+                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
+                f"{self.runner.allocator.size} are free: {why}"
+            )
+        now = self.clock()
+        for req in retracted:
+            req.time_stats.retracted.append(now)
+        self.stats.num_retractions += len(retracted)
+        return retracted
+
+    def admit_new_requests(self) -> list[Req]:
+        """Admit waiting requests, first come first served, while the budgets allow: request
+        rows (max_running_requests), prompt tokens this step (max_prefill_tokens: the first
+        request of a step may exceed it, alone) and pool room, after keeping back what the
+        running requests need (their next pass and future_slots). If nothing runs, the first in
+        line is admitted whenever its prefill fits, whatever its future needs. The first
+        request that does not fit stops admission: no one overtakes it, so no one starves.
+        Returns the admitted requests (each started with start_req), in order."""
+        admitted: list[Req] = []
+        reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in self.running)
+        budget = self.max_prefill_tokens
+        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved), else pop it, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
+        return admitted
+
+    def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        """After the forward pass: every request of the batch now has its new tokens' K/V
+        stored; each samples one token with its own SamplingParams and checks whether it is
+        done. Finished requests are retired at once. Returns them."""
+        reqs = batch.reqs
+        raise NotImplementedError("Stage 5: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True) and keep only unfinished ones in self.running - see stages/s05_continuous_batching/README.md")
+
+    def step(self) -> list[TokenOutput]:
+        """One scheduling step and one forward pass. Returns what each request of the pass got."""
+        if not self.has_work:
+            return []
+        start = self.clock()
+        short = self.next_pass_slots(self.running) > self.available_slots()
+        retracted = self.retract_for_decode() if short else []
+        admitted = self.admit_new_requests()
+        if not self.running and not admitted:
+            head = self.waiting[0]
+            raise RuntimeError(
+                f"nothing can run: request {head.rid} is first in line and its prefill needs {slots_to_extend(head, self.page_size)} "
+                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running will free more"
+            )
+        batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
+        prefill_tokens = batch.prefill_tokens
+        logits = self.runner.forward(batch.prepare_forward())
+        self.running += admitted
+        finished = self.process_batch_result(batch, logits)
+        check_not_stuck(self.running)
+
+        now = self.clock()
+        outputs = []
+        for req in batch.reqs:
+            if req.time_stats.first_token is None:
+                req.time_stats.first_token = now
+            if req.finished:
+                req.time_stats.finished = now
+            outputs.append(TokenOutput(req.rid, req.output_ids[-1:], req.finished_reason))
+        stats = self.stats
+        stats.steps += 1
+        stats.peak_running = max(stats.peak_running, len(batch.reqs))
+        stats.prefill_tokens += prefill_tokens
+        stats.decode_tokens += len(batch.decode_reqs)
+        if self.on_step is not None:
+            self.on_step(StepTrace(
+                step=stats.steps, start=start, end=now,
+                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=prefill_tokens,
+                decode_rids=[req.rid for req in batch.decode_reqs],
+                running=len(self.running), waiting=len(self.waiting),
+                free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
+                retracted_rids=[req.rid for req in retracted], finished_rids=[req.rid for req in finished],
+            ))
+        return outputs
+
+    # --- checking ---------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the memory bookkeeping is consistent; call it between steps.
+
+        - every running request holds a table row, and K/V slots for exactly its cached positions;
+          a waiting request holds nothing (a retracted one gave everything back);
+        - every allocated KV page belongs to exactly one running request or to the prefix cache:
+          nothing leaked, nothing shared, nothing freed twice;
+        - every table row is either free or held by exactly one running request;
+        - with nothing running, every slot is free or held by the prefix cache.
+        """
+        pool, allocator = self.runner.req_to_token_pool, self.runner.allocator
+        problems, owners, names = [], [], []
+        for req in self.running:
+            if req.req_pool_idx is None:
+                problems.append(f"running request {req.rid} has no table row (req_pool_idx is None)")
+                continue
+            own_from = req.prefix_match.cached_len if req.prefix_match is not None else 0
+            owners.append(pool.req_to_token[req.req_pool_idx, own_from : req.cached_len])
+            names.append(f"request {req.rid}")
+        for req in self.waiting:
+            if req.req_pool_idx is not None or req.cached_len:
+                problems.append(
+                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, cached_len={req.cached_len}); "
+                    "a retracted request must give its slots and row back"
+                )
+        rows = [req.req_pool_idx for req in self.running if req.req_pool_idx is not None]
+        if sorted(rows + pool.free_slots) != list(range(pool.size)):
+            problems.append(f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
+                            f"together they should be 0..{pool.size - 1}, each once")
+        cached = self.prefix_cache.cached_slots()
+        owners.append(cached)
+        names.append("the prefix cache")
+        try:
+            allocator.check_invariants(owners)
+        except AssertionError as error:
+            legend = ", ".join(f"owner {i} = {name}" for i, name in enumerate(names))
+            problems.append(f"{error} ({legend})")
+        if not self.running:
+            cached_pages = len(torch.unique(cached.reshape(-1) // self.page_size))
+            held = allocator.size - allocator.available_size()
+            if held != cached_pages * self.page_size:
+                problems.append(f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
+                                f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its slots")
+        if problems:
+            raise AssertionError("scheduler invariants broken:\n  " + "\n  ".join(problems))

@@ -1,0 +1,69 @@
+"""Shared by the stage-5 tests: a tiny-model engine whose forward passes and steps are recorded."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from reference import engine_model, engine_tokenizer
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s05_continuous_batching.engine import Engine
+
+
+class PassRecorder:
+    """Looks like the engine's model to the engine, and records each forward pass it runs."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config, self.device, self.dtype = model.config, model.device, model.dtype
+        self.passes = []  # (extend_lens, prefix_lens) per forward pass, rows in batch order
+
+    def __call__(self, batch, **kwargs):
+        self.passes.append((list(batch.extend_lens), list(batch.prefix_lens)))
+        return self.model(batch, **kwargs)
+
+
+def tiny_engine(path, **knobs):
+    """(engine, recorder, traces) on a tiny model; knobs go to Engine (pool_size, ...)."""
+    recorder = PassRecorder(engine_model(str(path)))
+    traces = []
+    engine = Engine(recorder, engine_tokenizer(str(path)), trace=traces.append, **knobs)
+    return engine, recorder, traces
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    # ignore_eos: the tiny random models may emit their EOS id; the references run to the limit too
+    return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def workload(count: int, seed: int, max_prompt: int = 48, max_new: int = 16):
+    """``count`` prompts of byte tokens with lengths in 1..max_prompt and limits in 1..max_new."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(32, 127) for _ in range(rng.randint(1, max_prompt))] for _ in range(count)]
+    limits = [rng.randint(1, max_new) for _ in range(count)]
+    return prompts, limits
+
+
+def run_to_end(engine, check_every_step: bool = True, max_steps: int = 10_000):
+    """Step the engine until it has no work, checking the scheduler's invariants after each step."""
+    steps = 0
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            if check_every_step:
+                engine.scheduler.check_invariants()
+            assert steps < max_steps, f"the engine still has work after {max_steps} steps: is a request stuck?"
+    return steps
+
+
+def assert_pool_free(engine, what: str) -> None:
+    engine.scheduler.check_invariants()
+    runner = engine.runner
+    free, size = runner.allocator.available_size(), runner.allocator.size
+    assert free == size, f"{what}: after the workload {size - free} of {size} KV slots are still taken (a leak)"
+    rows = runner.req_to_token_pool
+    assert rows.available_size() == rows.size, (
+        f"{what}: after the workload {rows.size - rows.available_size()} request rows are still taken"
+    )

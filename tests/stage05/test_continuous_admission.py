@@ -1,0 +1,115 @@
+"""Stage 5 (graded): admission - first come first served, within the prefill token budget and
+the request rows - and what the offline API returns: outputs in input order, per-request stats,
+and a trace line per step."""
+
+from __future__ import annotations
+
+import re
+
+from continuous_helpers import assert_pool_free, greedy, run_to_end, tiny_engine, workload
+from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
+from s05_continuous_batching.engine import Engine
+
+
+def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_root):
+    path = tiny_models_root / "qwen3"
+    prompts, limits = workload(14, seed=21, max_prompt=40, max_new=10)
+    budget, rows = 50, 4
+    engine, recorder, traces = tiny_engine(path, pool_size=2048, max_running_requests=rows, max_prefill_tokens=budget)
+    for p, n in zip(prompts, limits):
+        engine.add_request(p, greedy(n))
+    run_to_end(engine)
+    admitted_order, next_in_line = [], 0
+    for trace, (extend_lens, _) in zip(traces, recorder.passes):
+        new = trace.prefill_rids
+        assert extend_lens[len(trace.decode_rids):] == [len(prompts[rid]) for rid in new], (
+            f"step {trace.step}: the pass's prefill rows should send the whole prompts of {new} "
+            f"({[len(prompts[rid]) for rid in new]} tokens), they sent {extend_lens[len(trace.decode_rids):]}"
+        )
+        assert len(trace.decode_rids) + len(new) <= rows, (
+            f"step {trace.step}: {len(trace.decode_rids)} running + {len(new)} admitted requests, max_running_requests={rows}"
+        )
+        tokens = sum(len(prompts[rid]) for rid in new)
+        assert tokens <= budget or len(new) == 1, (
+            f"step {trace.step}: admitted {new} with {tokens} prompt tokens in total, over max_prefill_tokens={budget}; "
+            "only a single request may exceed the budget (alone in its step)"
+        )
+        admitted_order += new
+        next_in_line += len(new)
+        if next_in_line < len(prompts):  # the next one in line was not admitted: a budget must have stopped it
+            head = next_in_line
+            full = len(trace.decode_rids) + len(new) == rows
+            over = tokens + len(prompts[head]) > budget and new
+            assert full or over, (
+                f"step {trace.step}: request {head} ({len(prompts[head])} tokens) waited although a row was free and it fit the "
+                f"prefill budget ({tokens} of {budget} used by {new}); admit waiting requests while the budgets allow"
+            )
+    assert admitted_order == list(range(len(prompts))), (
+        f"requests must be admitted first come first served (0, 1, 2, ...); the order was {admitted_order}"
+    )
+    assert_pool_free(engine, "FCFS workload")
+
+
+def test_a_prompt_longer_than_the_prefill_budget_runs_alone(tiny_models_root):
+    path = tiny_models_root / "llama"
+    long_prompt, short = list(b"x" * 20 + b"a prompt longer than the budget of 32 tokens"), list(b"short")
+    engine, recorder, traces = tiny_engine(path, pool_size=512, max_running_requests=4, max_prefill_tokens=32)
+    outputs = engine.generate([short, long_prompt, short], [greedy(6), greedy(6), greedy(6)])
+    for i, prompt in enumerate([short, long_prompt, short]):
+        assert_same_tokens(outputs[i].output_ids, hf_greedy(path, prompt, 6), f"request {i} ({len(prompt)} tokens), vs transformers")
+    long_steps = [t for t in traces if 1 in t.prefill_rids]
+    assert long_steps and long_steps[0].prefill_rids == [1], (
+        f"the {len(long_prompt)}-token prompt is over max_prefill_tokens=32: it must be admitted as the only prefill of "
+        f"its step; steps with it: {[(t.step, t.prefill_rids) for t in long_steps]}"
+    )
+    assert_pool_free(engine, "long prompt")
+
+
+def test_outputs_come_back_in_input_order_with_stats(tiny_models_root):
+    path = tiny_models_root / "llama3"
+    prompts, _ = workload(6, seed=4, max_prompt=20)
+    limits = [14, 12, 10, 8, 3, 1]  # later requests finish first
+    engine, _, traces = tiny_engine(path, pool_size=512, max_running_requests=3)
+    outputs = engine.generate(prompts, [greedy(n) for n in limits])
+    assert len(outputs) == len(prompts), f"{len(prompts)} prompts but {len(outputs)} outputs"
+    finish_order = [rid for t in traces for rid in t.finished_rids]
+    assert finish_order != sorted(finish_order), f"this workload should finish out of order, finished {finish_order}"
+    for i, (prompt, n, out) in enumerate(zip(prompts, limits, outputs)):
+        assert_same_tokens(out.output_ids, hf_greedy(path, prompt, n), f"output {i} (outputs must follow the prompts' order)")
+        assert (out.prompt_tokens, out.output_tokens) == (len(prompt), n), (
+            f"output {i}: prompt_tokens={out.prompt_tokens}, output_tokens={out.output_tokens}; expected {len(prompt)} and {n}"
+        )
+        assert out.finish_reason.type == "length", f"output {i}: finish reason {out.finish_reason}, expected 'length'"
+        assert out.ttft is not None and out.latency is not None and 0 < out.ttft <= out.latency, (
+            f"output {i}: need 0 < ttft <= latency, got ttft={out.ttft}, latency={out.latency}"
+        )
+    # Requests 3-5 wait for a row (max_running_requests=3): their first token comes after the first request's.
+    assert min(out.ttft for out in outputs[3:]) > outputs[0].ttft, (
+        f"requests that had to wait should have a later first token; ttfts: {[round(o.ttft, 4) for o in outputs]}"
+    )
+    assert_pool_free(engine, "input order")
+
+
+LINE = re.compile(r"prefill\s+(\d+) reqs\s+(\d+) tok \| decode\s+(\d+) \| running\s+(\d+) waiting\s+(\d+) \| free KV\s+(\d+)/(\d+)")
+
+
+def test_trace_prints_one_line_per_step(tiny_models_root, capsys):
+    path = tiny_models_root / "qwen2"
+    prompts, limits = workload(6, seed=9, max_prompt=24, max_new=8)
+    engine = Engine(engine_model(str(path)), engine_tokenizer(str(path)), pool_size=256, max_running_requests=3, trace=True)
+    capsys.readouterr()
+    engine.generate(prompts, [greedy(n) for n in limits])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    steps = engine.scheduler.stats.steps
+    assert steps > 0 and len(lines) == steps, f"trace=True should print one line per step: {steps} steps, {len(lines)} lines"
+    parsed = [LINE.search(line) for line in lines]
+    assert all(parsed), f"a trace line should read like 'prefill 2 reqs 87 tok | decode 5 | running 7 waiting 3 | free KV 120/512'; got {lines[0]!r}"
+    first = [int(x) for x in parsed[0].groups()]
+    assert first[:3] == [3, sum(len(p) for p in prompts[:3]), 0] and first[3:5] == [3 - sum(n == 1 for n in limits[:3]), 3], (
+        f"the first step admits 3 requests ({sum(len(p) for p in prompts[:3])} prompt tokens), decodes none, and leaves "
+        f"3 waiting; its line was {lines[0]!r}"
+    )
+    last = [int(x) for x in parsed[-1].groups()]
+    assert last[3:] == [0, 0, 256, 256], f"after the last step nothing runs or waits and all 256 slots are free: {lines[-1]!r}"
+    admitted = sum(int(m.group(1)) for m in parsed)
+    assert admitted == len(prompts), f"the lines' prefill counts add up to {admitted} admissions for {len(prompts)} requests"

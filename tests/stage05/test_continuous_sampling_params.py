@@ -1,0 +1,50 @@
+"""Stage 5 (graded): every request in a continuous batch follows its own SamplingParams - its
+temperature and filters, its seed, its stop tokens and strings, its max_new_tokens - exactly as
+if it ran alone."""
+
+from __future__ import annotations
+
+from continuous_helpers import assert_pool_free, tiny_engine
+from reference import assert_same_tokens, engine_model, engine_tokenizer
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s03_kv_cache.engine import generate as stage3_generate
+
+
+def test_requests_with_different_sampling_params_each_follow_their_own(tiny_models_root):
+    path = tiny_models_root / "llama3"
+    tok, model = engine_tokenizer(str(path)), engine_model(str(path))
+    prompts = ["Hi", "Tell me a story", "x", "Once upon a time", "The end", "abc", "What is 2 + 2?", "Why?"]
+    # A stop string and a stop token taken from what the greedy runs produce, so that they fire.
+    # (The tiny tokenizer is byte-level: token id == byte value, so two ASCII tokens make a string.)
+    probe = stage3_generate(model, tok, [prompts[4], prompts[6]], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    ids = probe[0].output_ids
+    k = next(k for k in range(len(ids) - 1) if all(32 <= t < 127 for t in ids[k : k + 2]))
+    stop_string, stop_token = bytes(ids[k : k + 2]).decode(), probe[1].output_ids[5]
+    params = [
+        SamplingParams(temperature=0.7, top_k=30, max_new_tokens=9, seed=11),
+        SamplingParams(temperature=0, max_new_tokens=5),
+        SamplingParams(temperature=1.2, min_p=0.05, max_new_tokens=16, seed=12),
+        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=13, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=20, stop=[stop_string], ignore_eos=True),
+        SamplingParams(temperature=1.0, max_new_tokens=3, seed=14),
+        SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=[stop_token], ignore_eos=True),
+        SamplingParams(temperature=0.5, top_k=5, top_p=0.8, min_p=0.1, max_new_tokens=11, seed=15),
+    ]
+    engine, _, traces = tiny_engine(path, pool_size=512, max_running_requests=5, max_prefill_tokens=40)
+    got = engine.generate(prompts, params)
+    expected = stage3_generate(model, tok, prompts, params)
+    assert max(len(t.decode_rids) + len(t.prefill_rids) for t in traces) > 1, "the requests should share forward passes"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        what = f"request {i} ({params[i]})"
+        assert_same_tokens(g.output_ids, e.output_ids, f"{what}, vs stage 3", tok)
+        assert g.finish_reason == e.finish_reason, f"{what}: finish reason {g.finish_reason}, stage 3 says {e.finish_reason}"
+        assert g.text == e.text, f"{what}: text {g.text!r}, stage 3 says {e.text!r}"
+        if params[i].seed is not None:
+            assert g.seed == params[i].seed, f"{what}: the output should report seed {params[i].seed}, got {g.seed}"
+    assert got[4].finish_reason.matched == stop_string, f"request 4 should stop on {stop_string!r}, got {got[4].finish_reason}"
+    assert got[6].finish_reason.matched == stop_token, f"request 6 should stop on token {stop_token}, got {got[6].finish_reason}"
+    # The same seeded request alone gives the same tokens: results never depend on the batch.
+    alone, _, _ = tiny_engine(path, pool_size=512)
+    [solo] = alone.generate([prompts[2]], params[2])
+    assert_same_tokens(solo.output_ids, got[2].output_ids, "seeded request 2 alone vs in the batch", tok)
+    assert_pool_free(engine, "mixed sampling params")
