@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -74,6 +75,7 @@ def _byte_of(ch: str) -> int:
 
 def build_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     """Write a seeded random ``family`` model with the byte tokenizer into ``folder``."""
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars would clutter every failure report
     torch.manual_seed(seed + FAMILIES.index(family))
     config = family_config(family)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
