@@ -14,7 +14,7 @@ DEPS_STAMP := $(VENV)/.deps-$(firstword $(shell cksum pyproject.toml))
 # tools that need only the standard library also work before setup
 PY_ANY = $(if $(wildcard $(PY)),$(PY),$(PYTHON_SYSTEM))
 
-DEMO_STAGE ?= s05_continuous_batching
+DEMO_STAGE ?= s06_radix_cache
 REFERENCE_UPTO ?= 0
 CHECKOUTS ?= .
 STAGES ?=
