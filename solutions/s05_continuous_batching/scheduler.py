@@ -244,6 +244,10 @@ class Scheduler:
         self.stats.num_retractions += len(retracted)
         return retracted
 
+    def order_waiting(self) -> None:
+        """The admission order: first come, first served, so the queue stays as it is. Stage 6
+        overrides this to put the requests with the longest cached prefix first."""
+
     def admit_new_requests(self) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
         rows (max_running_requests), prompt tokens this step (max_prefill_tokens: the first
@@ -252,10 +256,11 @@ class Scheduler:
         line is admitted whenever its prefill fits, whatever its future needs. The first
         request that does not fit stops admission: no one overtakes it, so no one starves.
         Returns the admitted requests (each started with start_req), in order."""
+        self.order_waiting()
         admitted: list[Req] = []
         reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in self.running)
         budget = self.max_prefill_tokens
-        # BEGIN EXERCISE: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved), else pop it, start_req it, and charge the budgets
+        # BEGIN EXERCISE: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, start_req it, and charge the budgets
         while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             req = self.waiting[0]
             # At least the last token is computed: its logits give the next token.
@@ -265,7 +270,11 @@ class Scheduler:
                 break
             prefill_slots = (pages_for(req.device_len, self.page_size) - pages_for(match.cached_len, self.page_size)) * self.page_size
             need = prefill_slots + self.future_slots(req)
+            # Its own matched prefix is not room it could evict for itself (stage 6's cache holds
+            # slots; NoPrefixCache's lock is a no-op): count the room while the match is locked.
+            self.prefix_cache.lock(match)
             room = self.available_slots() - reserved
+            self.prefix_cache.unlock(match)
             first_alone = not self.running and not admitted
             if need > room and not (first_alone and prefill_slots <= room):
                 break

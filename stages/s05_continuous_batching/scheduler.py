@@ -230,6 +230,10 @@ class Scheduler:
         self.stats.num_retractions += len(retracted)
         return retracted
 
+    def order_waiting(self) -> None:
+        """The admission order: first come, first served, so the queue stays as it is. Stage 6
+        overrides this to put the requests with the longest cached prefix first."""
+
     def admit_new_requests(self) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
         rows (max_running_requests), prompt tokens this step (max_prefill_tokens: the first
@@ -238,10 +242,11 @@ class Scheduler:
         line is admitted whenever its prefill fits, whatever its future needs. The first
         request that does not fit stops admission: no one overtakes it, so no one starves.
         Returns the admitted requests (each started with start_req), in order."""
+        self.order_waiting()
         admitted: list[Req] = []
         reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in self.running)
         budget = self.max_prefill_tokens
-        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved), else pop it, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
+        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
         return admitted
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
