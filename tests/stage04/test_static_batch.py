@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import CountingModel
+from recording import PassRecorder
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -54,19 +54,19 @@ def test_page_sizes_give_identical_tokens(tiny_models_root, page_size):
 
 
 def test_prefill_is_one_ragged_pass_then_one_decode_pass_per_step(tiny_models_root):
-    spy = CountingModel(engine_model(str(tiny_models_root / "llama")))
+    spy = PassRecorder(engine_model(str(tiny_models_root / "llama")))
     limits = [6, 3, 5, 1]
     generate_static_batch(spy, PROMPTS, limits)
     lens = [len(p) for p in PROMPTS]
-    assert spy.batches, "the engine never ran the model"
-    mode, extend_lens, prefix_lens = spy.batches[0]
+    assert spy.passes, "the engine never ran the model"
+    extend_lens, prefix_lens = spy.passes[0]
     assert extend_lens == lens and prefix_lens == [0] * 4, (
         f"the first pass should prefill all 4 prompts at once (extend_lens {lens}, nothing cached), "
         f"it had extend_lens={extend_lens}, prefix_lens={prefix_lens}"
     )
     # After step s, the requests still running are those with max_new_tokens > s + 1.
     expected = [[1] * sum(n > s for n in limits) for s in range(1, max(limits))]
-    got = [e for _, e, _ in spy.batches[1:]]
+    got = [e for e, _ in spy.passes[1:]]
     assert got == expected, (
         f"after the prefill each step should be ONE decode pass over the running requests (max_new_tokens {limits}: "
         f"batch sizes {[len(e) for e in expected]}), your engine ran passes with extend_lens {got}"
@@ -106,11 +106,11 @@ def test_pool_too_small_fails_before_any_model_work(tiny_models_root, page_size)
     path = tiny_models_root / "llama"
     prompts, n = PROMPTS[:3], 8
     need = sum(-(-(len(p) + n - 1) // page_size) for p in prompts) * page_size
-    exact = CountingModel(engine_model(str(path)))
+    exact = PassRecorder(engine_model(str(path)))
     got = generate_static_batch(exact, prompts, n, pool_size=need, page_size=page_size)
     for i, p in enumerate(prompts):
         assert_same_tokens(got[i], hf_greedy(path, p, n), f"pool of exactly {need} slots (page size {page_size}), request {i}")
-    spy = CountingModel(engine_model(str(path)))
+    spy = PassRecorder(engine_model(str(path)))
     engine = StaticBatchEngine(spy, pool_size=need - page_size, page_size=page_size, max_running_requests=4)
     with pytest.raises(PoolExhaustedError) as error:
         engine.run(greedy_reqs(prompts, n))
@@ -118,7 +118,7 @@ def test_pool_too_small_fails_before_any_model_work(tiny_models_root, page_size)
     assert str(need) in message and str(need - page_size) in message, (
         f"the error should say how many slots the batch needs ({need}) and how many the pool has ({need - page_size}); got: {message}"
     )
-    assert spy.batches == [], f"the engine ran {len(spy.batches)} forward passes before refusing; it must check first"
+    assert spy.passes == [], f"the engine ran {len(spy.passes)} forward passes before refusing; it must check first"
     assert engine.runner.allocator.available_size() == need - page_size, "a refused batch must not hold any slot"
 
 

@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s06_radix_cache.engine import Engine
-
-
-class PassRecorder:
-    """Looks like the engine's model to the engine, and records each forward pass it runs."""
-
-    def __init__(self, model):
-        self.model = model
-        self.config, self.device, self.dtype = model.config, model.device, model.dtype
-        self.passes = []  # (extend_lens, prefix_lens) per forward pass, rows in batch order
-
-    def __call__(self, batch, **kwargs):
-        self.passes.append((list(batch.extend_lens), list(batch.prefix_lens)))
-        return self.model(batch, **kwargs)
 
 
 def radix_engine(path, enable_radix_cache: bool = True, **knobs):
