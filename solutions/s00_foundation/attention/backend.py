@@ -36,6 +36,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
     if n == total:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    elif n == 1:
+        # A decode step: the one query is the newest token and sees every key; no mask to build.
+        out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
     else:
         # With a cached prefix the mask is "bottom-right aligned": SDPA's is_causal aligns it
         # top-left, which would hide the prefix from the first new token, so spell it out.
