@@ -115,13 +115,23 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         pool_size = pool_size if pool_size is not None else default_pool_size(model, page_size)
         context = min(model.config.max_position_embeddings, pool_size)
-        self.runner = ModelRunner(model, pool_size, page_size, max_running_requests, max_context_len or context, attention_backend)
-        on_step = print_trace if trace is True else (trace or None)
-        self.scheduler = Scheduler(
-            self.runner, NoPrefixCache(self.runner.allocator), max_prefill_tokens=max_prefill_tokens,
-            new_token_ratio=new_token_ratio, on_step=on_step,
+        self.runner = self.make_runner(
+            pool_size=pool_size, page_size=page_size, max_running_requests=max_running_requests,
+            max_context_len=max_context_len or context, attention_backend=attention_backend,
         )
+        on_step = print_trace if trace is True else (trace or None)
+        self.scheduler = self.make_scheduler(max_prefill_tokens=max_prefill_tokens, new_token_ratio=new_token_ratio, on_step=on_step)
         self._next_rid = 0
+
+    # --- the seams later stages plug into -----------------------------------------------------------
+
+    def make_runner(self, **runner_args) -> ModelRunner:
+        """The ModelRunner over ``self.model`` (stage 8 returns one that replays CUDA graphs)."""
+        return ModelRunner(self.model, **runner_args)
+
+    def make_scheduler(self, **knobs) -> Scheduler:
+        """The Scheduler over ``self.runner`` (stage 6 plugs in the radix cache, stage 7 chunks prefills)."""
+        return Scheduler(self.runner, NoPrefixCache(self.runner.allocator), **knobs)
 
     # --- the step API -----------------------------------------------------------------------------
 

@@ -22,11 +22,14 @@ class Engine(ContinuousEngine):
     def __init__(self, model=None, tokenizer=None, *, enable_radix_cache: bool = True, schedule_policy: str = "lpm", **knobs):
         """``model``, ``tokenizer`` and ``knobs``: see stage 5's Engine. ``enable_radix_cache=False``
         plugs in stage 5's NoPrefixCache (every prompt computed in full), for comparison."""
+        self.enable_radix_cache, self.schedule_policy = enable_radix_cache, schedule_policy
         super().__init__(model, tokenizer, **knobs)
-        old = self.scheduler  # stage 5's, built by the parent: keep its knobs, swap the cache and policy
+
+    def make_prefix_cache(self):
+        """The radix tree (kept as ``self.tree_cache``), or stage 5's NoPrefixCache when disabled."""
         allocator = self.runner.allocator
-        self.tree_cache = RadixCache(allocator) if enable_radix_cache else None
-        self.scheduler = RadixScheduler(
-            self.runner, self.tree_cache or NoPrefixCache(allocator), schedule_policy=schedule_policy,
-            max_prefill_tokens=old.max_prefill_tokens, new_token_ratio=old.new_token_ratio, on_step=old.on_step, clock=old.clock,
-        )
+        self.tree_cache = RadixCache(allocator) if self.enable_radix_cache else None
+        return self.tree_cache or NoPrefixCache(allocator)
+
+    def make_scheduler(self, **knobs) -> RadixScheduler:
+        return RadixScheduler(self.runner, self.make_prefix_cache(), schedule_policy=self.schedule_policy, **knobs)
