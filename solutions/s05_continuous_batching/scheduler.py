@@ -33,7 +33,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -146,7 +146,7 @@ class Scheduler:
         never be served (see ``check_servable``) or its rid is already in use."""
         if req.output_ids or req.cached_len or req.finished:
             raise ValueError(f"request {req.rid} has already run; add a fresh Req")
-        if any(other.rid == req.rid for other in (*self.waiting, *self.running)):
+        if any(other.rid == req.rid for other in (*self.waiting, *self.reqs_holding_memory())):
             raise ValueError(f"request id {req.rid!r} is already waiting or running; request ids must be unique")
         self.check_servable(req)
         req.req_pool_idx = None  # its row in the request -> slots table, while it runs
@@ -248,27 +248,35 @@ class Scheduler:
         """The admission order: first come, first served, so the queue stays as it is. Stage 6
         overrides this to put the requests with the longest cached prefix first."""
 
-    def admit_new_requests(self) -> list[Req]:
+    def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
+        """Tokens ``req`` computes in its first pass when ``cached_len`` of them are cached: all the
+        rest of its fill_ids (stage 7 cuts a long prompt to the step's ``budget``)."""
+        return len(req.fill_ids) - cached_len
+
+    def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
-        rows (max_running_requests), prompt tokens this step (max_prefill_tokens: the first
-        request of a step may exceed it, alone) and pool room, after keeping back what the
-        running requests need (their next pass and future_slots). If nothing runs, the first in
-        line is admitted whenever its prefill fits, whatever its future needs. The first
-        request that does not fit stops admission: no one overtakes it, so no one starves.
-        Returns the admitted requests (each started with start_req), in order."""
+        rows (max_running_requests), prompt tokens this step (``budget``, by default
+        max_prefill_tokens: the first request of a step may exceed it, alone) and pool room,
+        after keeping back what the running requests need (their next pass and future_slots).
+        If nothing runs, the first in line is admitted whenever its prefill fits, whatever its
+        future needs. The first request that does not fit stops admission: no one overtakes
+        it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage
+        7's half-prefilled request); they count as admitted first. Returns the newly admitted
+        requests (each started with start_req, its device_len set to the end of its pass), in order."""
         self.order_waiting()
-        admitted: list[Req] = []
-        reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in self.running)
-        budget = self.max_prefill_tokens
-        # BEGIN EXERCISE: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, start_req it, and charge the budgets
+        admitted: list[Req] = list(scheduled)
+        reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in (*self.running, *scheduled))
+        budget = self.max_prefill_tokens if budget is None else budget
+        # BEGIN EXERCISE: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), take its pass length from self.prefill_len, stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, set its device_len to the end of its pass, start_req it, and charge the budgets
         while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             req = self.waiting[0]
             # At least the last token is computed: its logits give the next token.
             match = self.prefix_cache.match_prefix(req.fill_ids[:-1])
-            extend_len = req.device_len - match.cached_len
+            extend_len = self.prefill_len(req, match.cached_len, budget)
             if admitted and extend_len > budget:
                 break
-            prefill_slots = (pages_for(req.device_len, self.page_size) - pages_for(match.cached_len, self.page_size)) * self.page_size
+            end = match.cached_len + extend_len
+            prefill_slots = (pages_for(end, self.page_size) - pages_for(match.cached_len, self.page_size)) * self.page_size
             need = prefill_slots + self.future_slots(req)
             # Its own matched prefix is not room it could evict for itself (stage 6's cache holds
             # slots; NoPrefixCache's lock is a no-op): count the room while the match is locked.
@@ -279,19 +287,21 @@ class Scheduler:
             if need > room and not (first_alone and prefill_slots <= room):
                 break
             self.waiting.popleft()
+            req.device_len = end  # this pass computes fill_ids[cached_len:end] (all of them, before stage 7)
             self.start_req(req, match)
             admitted.append(req)
             budget -= extend_len
             reserved += need
         # END EXERCISE
-        return admitted
+        return admitted[len(scheduled) :]
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """After the forward pass: every request of the batch now has its new tokens' K/V
         stored; each samples one token with its own SamplingParams and checks whether it is
-        done. Finished requests are retired at once. Returns them."""
+        done. Finished requests are retired at once. Returns the requests that got a token:
+        all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
         reqs = batch.reqs
-        # BEGIN EXERCISE: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True) and keep only unfinished ones in self.running
+        # BEGIN EXERCISE: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True), keep only unfinished ones in self.running, return reqs
         for req in reqs:
             req.cached_len = req.device_len
         for req, token_id in zip(reqs, sample(logits, reqs).tolist()):
@@ -301,7 +311,7 @@ class Scheduler:
         for req in finished:
             self.release_req(req, insert=True)
         self.running = [req for req in self.running if not req.finished]
-        return finished
+        return reqs
         # END EXERCISE
 
     def step(self) -> list[TokenOutput]:
@@ -322,12 +332,13 @@ class Scheduler:
         prefill_tokens = batch.prefill_tokens
         logits = self.runner.forward(batch.prepare_forward())
         self.running += admitted
-        finished = self.process_batch_result(batch, logits)
+        sampled = self.process_batch_result(batch, logits)
+        finished = [req for req in sampled if req.finished]
         check_not_stuck(self.running)
 
         now = self.clock()
         outputs = []
-        for req in batch.reqs:
+        for req in sampled:
             if req.time_stats.first_token is None:
                 req.time_stats.first_token = now
             if req.finished:
@@ -351,6 +362,11 @@ class Scheduler:
 
     # --- checking ---------------------------------------------------------------------------------
 
+    def reqs_holding_memory(self) -> list[Req]:
+        """The requests that hold a table row and KV slots: the running ones (stage 7 adds its
+        half-prefilled request)."""
+        return list(self.running)
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the memory bookkeeping is consistent; call it between steps.
 
@@ -363,7 +379,8 @@ class Scheduler:
         """
         pool, allocator = self.runner.req_to_token_pool, self.runner.allocator
         problems, owners, names = [], [], []
-        for req in self.running:
+        holders = self.reqs_holding_memory()
+        for req in holders:
             if req.req_pool_idx is None:
                 problems.append(f"running request {req.rid} has no table row (req_pool_idx is None)")
                 continue
@@ -376,7 +393,7 @@ class Scheduler:
                     f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, cached_len={req.cached_len}); "
                     "a retracted request must give its slots and row back"
                 )
-        rows = [req.req_pool_idx for req in self.running if req.req_pool_idx is not None]
+        rows = [req.req_pool_idx for req in holders if req.req_pool_idx is not None]
         if sorted(rows + pool.free_slots) != list(range(pool.size)):
             problems.append(f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
                             f"together they should be 0..{pool.size - 1}, each once")
@@ -388,7 +405,7 @@ class Scheduler:
         except AssertionError as error:
             legend = ", ".join(f"owner {i} = {name}" for i, name in enumerate(names))
             problems.append(f"{error} ({legend})")
-        if not self.running:
+        if not holders:
             cached_pages = len(torch.unique(cached.reshape(-1) // self.page_size))
             held = allocator.size - allocator.available_size()
             if held != cached_pages * self.page_size:

@@ -33,7 +33,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -146,7 +146,7 @@ class Scheduler:
         never be served (see ``check_servable``) or its rid is already in use."""
         if req.output_ids or req.cached_len or req.finished:
             raise ValueError(f"request {req.rid} has already run; add a fresh Req")
-        if any(other.rid == req.rid for other in (*self.waiting, *self.running)):
+        if any(other.rid == req.rid for other in (*self.waiting, *self.reqs_holding_memory())):
             raise ValueError(f"request id {req.rid!r} is already waiting or running; request ids must be unique")
         self.check_servable(req)
         req.req_pool_idx = None  # its row in the request -> slots table, while it runs
@@ -234,27 +234,35 @@ class Scheduler:
         """The admission order: first come, first served, so the queue stays as it is. Stage 6
         overrides this to put the requests with the longest cached prefix first."""
 
-    def admit_new_requests(self) -> list[Req]:
+    def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
+        """Tokens ``req`` computes in its first pass when ``cached_len`` of them are cached: all the
+        rest of its fill_ids (stage 7 cuts a long prompt to the step's ``budget``)."""
+        return len(req.fill_ids) - cached_len
+
+    def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
-        rows (max_running_requests), prompt tokens this step (max_prefill_tokens: the first
-        request of a step may exceed it, alone) and pool room, after keeping back what the
-        running requests need (their next pass and future_slots). If nothing runs, the first in
-        line is admitted whenever its prefill fits, whatever its future needs. The first
-        request that does not fit stops admission: no one overtakes it, so no one starves.
-        Returns the admitted requests (each started with start_req), in order."""
+        rows (max_running_requests), prompt tokens this step (``budget``, by default
+        max_prefill_tokens: the first request of a step may exceed it, alone) and pool room,
+        after keeping back what the running requests need (their next pass and future_slots).
+        If nothing runs, the first in line is admitted whenever its prefill fits, whatever its
+        future needs. The first request that does not fit stops admission: no one overtakes
+        it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage
+        7's half-prefilled request); they count as admitted first. Returns the newly admitted
+        requests (each started with start_req, its device_len set to the end of its pass), in order."""
         self.order_waiting()
-        admitted: list[Req] = []
-        reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in self.running)
-        budget = self.max_prefill_tokens
-        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
-        return admitted
+        admitted: list[Req] = list(scheduled)
+        reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in (*self.running, *scheduled))
+        budget = self.max_prefill_tokens if budget is None else budget
+        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), take its pass length from self.prefill_len, stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, set its device_len to the end of its pass, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
+        return admitted[len(scheduled) :]
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """After the forward pass: every request of the batch now has its new tokens' K/V
         stored; each samples one token with its own SamplingParams and checks whether it is
-        done. Finished requests are retired at once. Returns them."""
+        done. Finished requests are retired at once. Returns the requests that got a token:
+        all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
         reqs = batch.reqs
-        raise NotImplementedError("Stage 5: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True) and keep only unfinished ones in self.running - see stages/s05_continuous_batching/README.md")
+        raise NotImplementedError("Stage 5: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True), keep only unfinished ones in self.running, return reqs - see stages/s05_continuous_batching/README.md")
 
     def step(self) -> list[TokenOutput]:
         """One scheduling step and one forward pass. Returns what each request of the pass got."""
@@ -274,12 +282,13 @@ class Scheduler:
         prefill_tokens = batch.prefill_tokens
         logits = self.runner.forward(batch.prepare_forward())
         self.running += admitted
-        finished = self.process_batch_result(batch, logits)
+        sampled = self.process_batch_result(batch, logits)
+        finished = [req for req in sampled if req.finished]
         check_not_stuck(self.running)
 
         now = self.clock()
         outputs = []
-        for req in batch.reqs:
+        for req in sampled:
             if req.time_stats.first_token is None:
                 req.time_stats.first_token = now
             if req.finished:
@@ -303,6 +312,11 @@ class Scheduler:
 
     # --- checking ---------------------------------------------------------------------------------
 
+    def reqs_holding_memory(self) -> list[Req]:
+        """The requests that hold a table row and KV slots: the running ones (stage 7 adds its
+        half-prefilled request)."""
+        return list(self.running)
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the memory bookkeeping is consistent; call it between steps.
 
@@ -315,7 +329,8 @@ class Scheduler:
         """
         pool, allocator = self.runner.req_to_token_pool, self.runner.allocator
         problems, owners, names = [], [], []
-        for req in self.running:
+        holders = self.reqs_holding_memory()
+        for req in holders:
             if req.req_pool_idx is None:
                 problems.append(f"running request {req.rid} has no table row (req_pool_idx is None)")
                 continue
@@ -328,7 +343,7 @@ class Scheduler:
                     f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, cached_len={req.cached_len}); "
                     "a retracted request must give its slots and row back"
                 )
-        rows = [req.req_pool_idx for req in self.running if req.req_pool_idx is not None]
+        rows = [req.req_pool_idx for req in holders if req.req_pool_idx is not None]
         if sorted(rows + pool.free_slots) != list(range(pool.size)):
             problems.append(f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
                             f"together they should be 0..{pool.size - 1}, each once")
@@ -340,7 +355,7 @@ class Scheduler:
         except AssertionError as error:
             legend = ", ".join(f"owner {i} = {name}" for i, name in enumerate(names))
             problems.append(f"{error} ({legend})")
-        if not self.running:
+        if not holders:
             cached_pages = len(torch.unique(cached.reshape(-1) // self.page_size))
             held = allocator.size - allocator.available_size()
             if held != cached_pages * self.page_size:
