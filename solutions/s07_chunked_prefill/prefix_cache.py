@@ -1,0 +1,54 @@
+"""Prefix caches that can hold a request's K/V while it is still being prefilled.
+
+Stage 5's protocol only hears from a request when it leaves (``cache_finished_req``). A chunked
+prefill stops half way and goes on in the next step, so the cache gets one more call after each
+chunk (SGLang's name and contract)::
+
+    cache_unfinished_req(token_ids, slots, match) -> PrefixMatch
+        the request computed token_ids so far (slots[i] holds token_ids[i]); it keeps running.
+        Returns its new match: the prefix the cache now holds for it, locked for it; the request
+        keeps owning the slots after that prefix.
+
+``RadixCache`` inserts the finished chunks into the tree right away, so another request with
+the same prefix can reuse them before the long prompt is even done, and a retracted chunked
+request finds them again. ``ChunkCache`` is SGLang's name for the no-sharing cache used when the
+radix cache is off: the request simply keeps its slots.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixMatch
+from s06_radix_cache.radix_cache import RadixCache as StageSixRadixCache
+
+
+class ChunkCache(NoPrefixCache):
+    """Stage 5's cache that caches nothing, plus the one call chunked prefill needs."""
+
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch:
+        return match  # nothing is shared: the request keeps every slot it computed
+
+
+class RadixCache(StageSixRadixCache):
+    """Stage 6's radix tree, which also takes a chunked request's finished chunks."""
+
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch:
+        """Insert what the request computed so far (its whole pages) and hand it the tree's copy:
+        slots of tokens the tree already held are duplicates and are freed; the returned match
+        covers the inserted prefix, is locked, and replaces ``match`` (unlocked)."""
+        if len(slots) != len(token_ids):
+            raise ValueError(f"cache_unfinished_req got {len(token_ids)} tokens but {len(slots)} slots")
+        # BEGIN EXERCISE: insert the page-aligned part of token_ids; free the request's own duplicate slots [match.cached_len, already present); match that part again (its slots are now the tree's), lock the new match BEFORE unlocking the old one, return the new match
+        aligned = len(token_ids) // self.page_size * self.page_size
+        present = self.insert(token_ids[:aligned], slots[:aligned])
+        assert present >= match.cached_len, f"the tree lost a locked prefix ({present} < {match.cached_len} tokens)"
+        self.allocator.free(slots[match.cached_len : present])
+        new_match = self.match_prefix(token_ids[:aligned])
+        # Lock first: between the two calls nothing on the request's path may become evictable.
+        self.lock(new_match)
+        self.unlock(match)
+        # END EXERCISE
+        return new_match

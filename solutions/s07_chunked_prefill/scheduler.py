@@ -1,0 +1,166 @@
+"""``ChunkedPrefillScheduler``: a per-step prefill budget, long prompts computed a chunk per step.
+
+Without chunking a step computes every admitted prompt whole, and the running requests' decode
+tokens ride in the same pass: a 4000-token prompt makes that pass (and so every running
+request's next token) as slow as a 4000-token prefill. With ``chunked_prefill_size`` = 512 the
+same prompt takes 8 steps, each a 512-token chunk next to the decodes, so nobody's stream stops::
+
+    step  decode rows         prefill rows
+      1   [a b c]             [L 0..511]          L: prompt of 2000 tokens, budget 512
+      2   [a b c]             [L 512..1023]
+      3   [a b c]             [L 1024..1535]
+      4   [a b c]             [L 1536..1999 | M 0..47]   L's last chunk; M fits the rest of the budget
+      5   [a b c L M]         []                  L and M sampled their first token in step 4
+
+Rules of the half-prefilled request (SGLang's ``chunked_req``; at most one at a time, since
+cutting a prompt uses up the step's budget):
+
+- it keeps its table row and the K/V of its finished chunks between steps, and it is out of the
+  running list (it has no token to decode); its next chunk goes first in the next step's budget,
+  ahead of every waiting request, so it keeps its place;
+- it is never sampled before its last chunk: its logits of an unfinished prompt mean nothing,
+  and sampling would also advance its random generator, so its tokens would depend on the budget;
+- after each chunk its K/V go to the prefix cache (``cache_unfinished_req``): with the radix
+  cache, the finished chunks are shared and survive a retraction;
+- when the pool runs short it is retracted first (it has produced nothing for its user yet).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from s02_request_and_sampling.req import Req
+from s04_paged_kv_pool.allocator import pages_for
+from s05_continuous_batching.schedule_batch import ScheduleBatch
+from s06_radix_cache.scheduler import RadixScheduler
+
+
+def prefill_pending(req: Req) -> bool:
+    """Whether the request's prefill is unfinished after its current pass (more chunks to go)."""
+    return req.device_len < len(req.fill_ids)
+
+
+class ChunkedPrefillScheduler(RadixScheduler):
+    def __init__(self, runner, prefix_cache, chunked_prefill_size: int | None = 512, **knobs):
+        """``chunked_prefill_size``: the prompt tokens one step may compute; a prompt that does not
+        fit what is left of it is cut there and continued in later steps. None: no chunking
+        (stage 6: a prompt is computed whole, alone in its step if it is longer than the budget).
+        ``prefix_cache`` must offer ``cache_unfinished_req`` (see prefix_cache.py); ``knobs``:
+        stage 6's (schedule_policy, max_prefill_tokens, new_token_ratio, on_step, clock)."""
+        if chunked_prefill_size is not None and chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be a positive number of tokens or None (no chunking), got {chunked_prefill_size}")
+        super().__init__(runner, prefix_cache, **knobs)
+        self.chunked_prefill_size = chunked_prefill_size
+        self.chunked_req: Req | None = None  # the request whose prefill is half done, between steps
+
+    # --- the budget --------------------------------------------------------------------------------
+
+    def step_budget(self) -> int:
+        """Prompt tokens one step may compute."""
+        if self.chunked_prefill_size is None:
+            return self.max_prefill_tokens
+        return min(self.max_prefill_tokens, self.chunked_prefill_size)
+
+    def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
+        """The rest of ``req``'s fill_ids, cut to what is left of the step's budget."""
+        rest = len(req.fill_ids) - cached_len
+        # BEGIN EXERCISE: without chunking, or with no budget left (the request then waits, as in stage 5), return the whole rest; else at most the budget
+        if self.chunked_prefill_size is None or budget < 1:
+            return rest
+        return min(rest, budget)
+        # END EXERCISE
+
+    def next_chunk_len(self, req: Req, budget: int) -> int:
+        """Tokens of the half-prefilled ``req``'s next chunk: the rest of its prompt, cut to the
+        budget and to the pool's room after what the running requests keep back (0: no room)."""
+        rest = self.prefill_len(req, req.cached_len, budget)
+        reserved = sum(self.next_pass_slots([r]) + self.future_slots(r) for r in self.running)
+        room = self.available_slots() - reserved
+        # Whole pages: the chunk first fills the request's last page, then takes new ones.
+        room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
+        return max(0, min(rest, room_tokens))
+
+    def admit_new_requests(self, scheduled=(), budget=None) -> list[Req]:
+        """The half-prefilled request's next chunk first, then stage 5's admission of waiting
+        requests in what is left of the budget (where the last one admitted may be cut)."""
+        budget = self.step_budget() if budget is None else budget
+        continuing: list[Req] = []
+        # BEGIN EXERCISE: if a request is half prefilled (self.chunked_req): size its next chunk (next_chunk_len); with no room it waits and nothing else is admitted (no one overtakes it): return []. Else take it out of chunked_req, set its device_len to the chunk's end, charge the budget; if its prefill is still pending after this chunk the budget is spent: return it alone
+        req = self.chunked_req
+        if req is not None:
+            chunk = self.next_chunk_len(req, budget)
+            if chunk == 0:
+                return []
+            self.chunked_req = None
+            req.device_len = req.cached_len + chunk
+            budget -= chunk
+            continuing.append(req)
+            if prefill_pending(req):
+                return continuing
+        # END EXERCISE
+        return continuing + super().admit_new_requests(scheduled=continuing, budget=budget)
+
+    # --- after the pass ----------------------------------------------------------------------------
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """``req`` just computed a chunk: hand its K/V so far to the prefix cache and point its
+        table row at the prefix the cache now holds for it."""
+        table = self.runner.req_to_token_pool.req_to_token
+        slots = table[req.req_pool_idx, : req.cached_len].clone()
+        match = self.prefix_cache.cache_unfinished_req(req.fill_ids[: req.cached_len], slots, req.prefix_match)
+        table[req.req_pool_idx, : match.cached_len] = match.slots
+        req.prefix_match = match
+
+    def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        """A request whose prefill is still pending stores its chunk and waits for its next one
+        (never sampled); everyone else goes through stage 5's processing, with its own logits row."""
+        # BEGIN EXERCISE: for each request of batch.reqs whose prefill is pending: mark the chunk cached, cache_unfinished_req it, take it out of self.running and keep it as self.chunked_req; then call stage 5's process_batch_result on a ScheduleBatch of the other requests (same decode/prefill split) with their logits rows only
+        pending = [i for i, req in enumerate(batch.reqs) if prefill_pending(req)]
+        for i in pending:
+            req = batch.reqs[i]
+            req.cached_len = req.device_len
+            self.cache_unfinished_req(req)
+            self.running.remove(req)
+            self.chunked_req = req
+        rest = [i for i in range(len(batch.reqs)) if i not in pending]
+        others = ScheduleBatch(
+            self.runner, self.prefix_cache, decode_reqs=batch.decode_reqs,
+            prefill_reqs=[req for req in batch.prefill_reqs if not prefill_pending(req)],
+        )
+        return super().process_batch_result(others, logits[rest])
+        # END EXERCISE
+
+    # --- the half-prefilled request elsewhere ------------------------------------------------------
+
+    def retract_for_decode(self) -> list[Req]:
+        """The half-prefilled request is retracted first (to the front of the queue: it keeps its
+        place); then, if the pool is still short, stage 5 retracts running requests."""
+        retracted = []
+        req = self.chunked_req
+        if req is not None:
+            self.chunked_req = None
+            self.release_req(req, insert=True)  # with the radix cache its finished chunks stay in the tree
+            self.waiting.appendleft(req)
+            req.time_stats.retracted.append(self.clock())
+            self.stats.num_retractions += 1
+            retracted.append(req)
+        return retracted + super().retract_for_decode()
+
+    def abort_request(self, rid: Hashable) -> bool:
+        req = self.chunked_req
+        if req is None or req.rid != rid:
+            return super().abort_request(rid)
+        self.chunked_req = None
+        self.release_req(req, insert=False)
+        req.abort()
+        req.time_stats.finished = self.clock()
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return super().has_work or self.chunked_req is not None
+
+    def reqs_holding_memory(self) -> list[Req]:
+        return super().reqs_holding_memory() + ([self.chunked_req] if self.chunked_req is not None else [])

@@ -1,0 +1,128 @@
+"""Stage 7 (graded): memory stays consistent around half-prefilled requests.
+
+After each chunk the request's K/V go to the prefix cache: with the radix cache its finished
+chunks are in the tree (locked for it) and another request with the same prefix reuses them;
+nothing is freed twice. A small pool retracts the half-prefilled request first, an abort frees
+it, and the pool and tree invariants hold after every step."""
+
+from __future__ import annotations
+
+import torch
+
+from chunked_helpers import assert_pool_free_after_tree, check_all, chunked_engine, greedy, random_prompt, run_checked
+from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
+from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
+from s06_radix_cache.engine import Engine as RadixEngine
+from s07_chunked_prefill.prefix_cache import RadixCache
+
+
+def test_cache_unfinished_req_moves_the_lock_and_frees_duplicates():
+    allocator = TokenToKVPoolAllocator(64, page_size=1)
+    cache = RadixCache(allocator)
+    # Another request already left tokens 1..4 in the tree.
+    other = allocator.alloc_extend([0], [4], [0])
+    cache.insert([1, 2, 3, 4], other)
+    # Ours matched only [1, 2], then computed 3..7 itself (3 and 4 again: duplicates).
+    match = cache.match_prefix([1, 2])
+    cache.lock(match)
+    own = allocator.alloc_extend([2], [7], [int(match.slots[-1])])
+    slots = torch.cat([match.slots, own])
+    free_before = allocator.available_size()
+    new = cache.cache_unfinished_req([1, 2, 3, 4, 5, 6, 7], slots, match)
+    assert new.cached_len == 7, f"the tree should now hold all 7 computed tokens for the request, its match covers {new.cached_len}"
+    assert new.slots[:4].tolist() == other.tolist(), (
+        f"tokens 1..4 were in the tree first, so the request must now read the tree's slots {other.tolist()}, "
+        f"not {new.slots[:4].tolist()}"
+    )
+    assert new.slots[4:].tolist() == own[2:].tolist(), "tokens 5..7 keep the slots the request computed them in"
+    assert allocator.available_size() == free_before + 2, (
+        f"the request's own slots of tokens 3 and 4 were duplicates and must be freed: {allocator.available_size() - free_before} were"
+    )
+    assert cache.protected_size_ == 7 and cache.evictable_size_ == 0, (
+        f"the new match must be locked (7 protected, 0 evictable tokens), the counters say "
+        f"{cache.protected_size_} protected, {cache.evictable_size_} evictable"
+    )
+    cache.check()
+    cache.cache_finished_req([1, 2, 3, 4, 5, 6, 7], new.slots, new, insert=True)
+    assert cache.protected_size_ == 0 and cache.evictable_size_ == 7, "after the request left, all 7 tokens are evictable"
+    cache.evict(64)
+    assert allocator.available_size() == allocator.size, "evicting the tree must free every slot exactly once"
+
+
+def test_finished_chunks_are_reused_by_a_request_sharing_the_prefix(tiny_models_root):
+    path = tiny_models_root / "llama"
+    budget = 8
+    engine, recorder = chunked_engine(path, budget, pool_size=1024)
+    long_prompt = random_prompt(50, seed=5)
+    twin = long_prompt[:40] + random_prompt(3, seed=6)
+    what = f"llama, a 50-token prompt chunked by {budget}, then a request sharing its first 40 tokens"
+    with torch.inference_mode():
+        first = engine.add_request(long_prompt, greedy(4))
+        for _ in range(4):  # chunks 0..31 done; the request is half prefilled
+            engine.step()
+            check_all(engine, what)
+        assert engine.scheduler.chunked_req is first, f"{what}: after 4 steps the long request should be half prefilled"
+        in_tree = engine.tree_cache.total_size()
+        assert in_tree >= 32, f"{what}: after 4 chunks of 8 its 32 computed tokens should be in the tree, it holds {in_tree}"
+        second = engine.add_request(twin, greedy(4))
+        while engine.has_work:
+            engine.step()
+            check_all(engine, what)
+    assert second.prefix_match is None and engine.scheduler.stats.cached_tokens >= 40, (
+        f"{what}: the second request should find at least its 40 shared tokens cached; admitted requests found "
+        f"{engine.scheduler.stats.cached_tokens} in all"
+    )
+    for req, prompt in ((first, long_prompt), (second, twin)):
+        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 4), f"{what}: request {req.rid} vs transformers")
+    assert_pool_free_after_tree(engine, what)
+
+
+def test_small_pool_retracts_the_half_prefilled_request_and_recovers(tiny_models_root):
+    path = tiny_models_root / "qwen3"
+    prompts = [random_prompt(n, seed=n) for n in (6, 9, 70, 5, 40)]
+    limits = [30, 25, 4, 30, 6]
+    model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
+    expected = RadixEngine(model, tokenizer, pool_size=1024).generate(prompts, [greedy(n) for n in limits])
+    for radix in (True, False):
+        what = f"qwen3, pool of 128 slots, chunked_prefill_size=6, new_token_ratio=0, radix cache {'on' if radix else 'off'}"
+        engine, _ = chunked_engine(path, 6, pool_size=128, new_token_ratio=0.0, enable_radix_cache=radix)
+        retracted_mid_prefill = []
+        original = engine.scheduler.retract_for_decode
+
+        def watch():
+            pending = engine.scheduler.chunked_req
+            out = original()
+            if pending is not None and pending in out:
+                retracted_mid_prefill.append(pending.rid)
+            return out
+
+        engine.scheduler.retract_for_decode = watch
+        reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
+        assert retracted_mid_prefill, f"{what}: the workload is built to run short while a prompt is half prefilled, yet no half-prefilled request was retracted"
+        for i, (req, ref) in enumerate(zip(reqs, expected)):
+            assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} vs an unchunked engine with a big pool")
+        assert_pool_free_after_tree(engine, what)
+
+
+def test_aborting_a_half_prefilled_request_frees_it(tiny_models_root):
+    path = tiny_models_root / "qwen2"
+    for radix in (True, False):
+        what = f"qwen2, chunked_prefill_size=5, radix cache {'on' if radix else 'off'}: abort a 40-token prompt after 3 chunks"
+        engine, _ = chunked_engine(path, 5, pool_size=256, enable_radix_cache=radix)
+        other_prompt = random_prompt(4, seed=4)
+        with torch.inference_mode():
+            long_req = engine.add_request(random_prompt(40, seed=40), greedy(5))
+            for _ in range(3):
+                engine.step()
+            assert engine.scheduler.chunked_req is long_req, f"{what}: the long request should be half prefilled"
+            assert engine.abort_request(long_req.rid), f"{what}: abort_request returned False for the half-prefilled request"
+            assert not engine.abort_request(long_req.rid), f"{what}: a second abort of the same request must return False"
+            assert long_req.finished_reason is not None and long_req.finished_reason.type == "abort"
+            check_all(engine, what)
+            assert not engine.has_work, f"{what}: after the abort nothing should be left to do"
+            other = engine.add_request(other_prompt, greedy(5))
+            while engine.has_work:
+                engine.step()
+                check_all(engine, what)
+        assert_same_tokens(other.output_ids, hf_greedy(path, other_prompt, 5), f"{what}: the next request vs transformers")
+        assert_pool_free_after_tree(engine, what)
