@@ -25,11 +25,15 @@ class Engine(ContinuousEngine):
         self.enable_radix_cache, self.schedule_policy = enable_radix_cache, schedule_policy
         super().__init__(model, tokenizer, **knobs)
 
+    # The caches it plugs in (stage 7 swaps in versions that also take half-prefilled requests).
+    radix_cache_class = RadixCache
+    no_prefix_cache_class = NoPrefixCache
+
     def make_prefix_cache(self):
         """The radix tree (kept as ``self.tree_cache``), or stage 5's NoPrefixCache when disabled."""
         allocator = self.runner.allocator
-        self.tree_cache = RadixCache(allocator) if self.enable_radix_cache else None
-        return self.tree_cache or NoPrefixCache(allocator)
+        self.tree_cache = self.radix_cache_class(allocator) if self.enable_radix_cache else None
+        return self.tree_cache or self.no_prefix_cache_class(allocator)
 
     def make_scheduler(self, **knobs) -> RadixScheduler:
         return RadixScheduler(self.runner, self.make_prefix_cache(), schedule_policy=self.schedule_policy, **knobs)

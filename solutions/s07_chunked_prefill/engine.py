@@ -18,17 +18,14 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 512  # tokens; GPU servers use 2048-8192 (a bigge
 
 
 class Engine(RadixEngine):
+    radix_cache_class = RadixCache  # stage 6's caches, plus cache_unfinished_req
+    no_prefix_cache_class = ChunkCache
+
     def __init__(self, model=None, tokenizer=None, *, chunked_prefill_size: int | None = DEFAULT_CHUNKED_PREFILL_SIZE, **knobs):
         """``model``, ``tokenizer`` and ``knobs``: see stages 5 and 6. ``chunked_prefill_size``:
         prompt tokens per step (see ChunkedPrefillScheduler); None turns chunking off."""
         self.chunked_prefill_size = chunked_prefill_size
         super().__init__(model, tokenizer, **knobs)
-
-    def make_prefix_cache(self):
-        """Stage 6's choice, with the caches that also take unfinished (chunked) requests."""
-        allocator = self.runner.allocator
-        self.tree_cache = RadixCache(allocator) if self.enable_radix_cache else None
-        return self.tree_cache or ChunkCache(allocator)
 
     def make_scheduler(self, **knobs) -> ChunkedPrefillScheduler:
         return ChunkedPrefillScheduler(

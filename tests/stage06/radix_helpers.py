@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from invariants import check_all
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -21,15 +22,6 @@ def radix_engine(path, enable_radix_cache: bool = True, **knobs):
 def greedy(max_new_tokens: int) -> SamplingParams:
     # ignore_eos: the tiny random models may emit their EOS id; the references run to the limit too
     return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
-
-
-def check_all(engine, what: str) -> None:
-    engine.scheduler.check_invariants()
-    if engine.tree_cache is not None:
-        try:
-            engine.tree_cache.check()
-        except AssertionError as error:
-            raise AssertionError(f"{what}: {error}") from None
 
 
 def run_all(engine, prompts, limits, what: str, max_steps: int = 10_000):

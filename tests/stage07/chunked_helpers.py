@@ -10,6 +10,7 @@ import random
 import torch
 
 import s05_continuous_batching.scheduler as stage5_scheduler
+from invariants import check_all  # noqa: F401 (the tests import it from here)
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -53,15 +54,6 @@ def sampling_spy(what: str):
         yield sampled
     finally:
         stage5_scheduler.sample = real_sample
-
-
-def check_all(engine, what: str) -> None:
-    engine.scheduler.check_invariants()
-    if engine.tree_cache is not None:
-        try:
-            engine.tree_cache.check()
-        except AssertionError as error:
-            raise AssertionError(f"{what}: {error}") from None
 
 
 def run_checked(engine, prompts, params, what: str, max_steps: int = 20_000):
