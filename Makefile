@@ -101,10 +101,20 @@ test: setup
 	ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) tools/prove_tests_fail.py
 	@$(MAKE) --no-print-directory notebooks
 
+# The GPU suite, then two short benchmarks (stage 8): decode step latency eager vs graph on a
+# Qwen3-0.6B-shaped model, and offline throughput of 64 requests of the standard workload;
+# their output goes to reports/ as well as the console. Fails if any of the three fails.
 test-gpu: setup
 	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "error: make test-gpu needs a CUDA GPU; torch " + torch.__version__ + " sees none")'
-	@$(REFERENCE) ENGINE_REQUIRE_GPU=1 ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests -m gpu $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "no gpu-marked tests yet"; rc=0; fi; exit $$rc
+	@mkdir -p reports; \
+	$(REFERENCE) ENGINE_REQUIRE_GPU=1 ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests -m gpu $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no gpu-marked tests yet"; rc=0; fi; \
+	$(REFERENCE) $(PY) tools/benchmark_decode.py --json reports/benchmark_decode.json 2>&1 | tee reports/benchmark_decode.txt; \
+	decode_rc=$${PIPESTATUS[0]}; \
+	$(REFERENCE) $(PY) tools/benchmark_offline.py --stage 8 --num-requests 64 2>&1 | tee reports/benchmark_offline_stage8.txt; \
+	offline_rc=$${PIPESTATUS[0]}; \
+	echo "GPU tests exit $$rc, benchmark_decode exit $$decode_rc, benchmark_offline exit $$offline_rc (reports/benchmark_*.txt)"; \
+	exit $$(( rc || decode_rc || offline_rc ))
 
 notebooks: setup
 	@shopt -s nullglob; notebooks=(notebooks/*.ipynb); \

@@ -57,24 +57,46 @@ def run_stage4(model, tokenizer, prompts: Prompts, output_len: int, args) -> Pro
     return [req.output_ids for req in reqs]
 
 
-def run_stage5(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> Prompts:
-    from s05_continuous_batching.engine import Engine
-
+def run_continuous(engine_class, model, tokenizer, prompts: Prompts, output_len: int | list[int], args, **knobs) -> Prompts:
+    """Stage 5's engine or a later one (``engine_class``), with ``knobs`` of its own."""
     lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lens]
     # By default the pool holds every request at its longest, as stage 4's does: --pool-size smaller forces retractions.
     p = args.page_size
     pool_size = args.pool_size or sum(-(-(len(ids) + n - 1) // p) * p for ids, n in zip(prompts, lens))
-    engine = Engine(model, tokenizer, pool_size=pool_size, page_size=args.page_size,
-                    max_running_requests=args.max_running_requests or len(prompts),
-                    max_prefill_tokens=args.max_prefill_tokens)
+    engine = engine_class(model, tokenizer, pool_size=pool_size, page_size=p,
+                          max_running_requests=args.max_running_requests or len(prompts),
+                          max_prefill_tokens=args.max_prefill_tokens, **knobs)
     return [out.output_ids for out in engine.generate(prompts, params)]
+
+
+def run_stage5(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> Prompts:
+    from s05_continuous_batching.engine import Engine
+
+    return run_continuous(Engine, model, tokenizer, prompts, output_len, args)
+
+
+def run_stage7(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> Prompts:
+    from s07_chunked_prefill.engine import Engine
+
+    return run_continuous(Engine, model, tokenizer, prompts, output_len, args, chunked_prefill_size=args.chunked_prefill_size)
+
+
+def run_stage8(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> Prompts:
+    from s08_cuda_graph.engine import Engine
+
+    # Graphs for every decode batch size the run can have (SGLang captures up to 256 and more on big GPUs).
+    return run_continuous(Engine, model, tokenizer, prompts, output_len, args,
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          cuda_graph_max_bs=args.max_running_requests or len(prompts))
 
 
 ENGINES: dict[int, tuple[str, Callable]] = {
     3: ("stage 3: per-request KV caches, all requests in one ragged pass per step", run_stage3),
     4: ("stage 4: static batch out of one paged KV pool", run_stage4),
     5: ("stage 5: continuous batching (scheduler, mixed prefill + decode passes, retraction)", run_stage5),
+    7: ("stage 7: stage 6's radix-cache engine with chunked prefill", run_stage7),
+    8: ("stage 8: stage 7's engine with decode passes replayed from CUDA graphs (eagerly on a CPU)", run_stage8),
 }
 
 
@@ -152,7 +174,7 @@ def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
     vocab = model.config.vocab_size  # ids from the middle of the vocabulary: ordinary tokens, no special ones
     prompts = [torch.randint(vocab // 10, vocab // 2, (k,), generator=generator).tolist() for k in input_lens]
     total = sum(output_lens)
-    name, engine = ENGINES[5]
+    name, engine = ENGINES[args.stage]
     print(f"model: {path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
     print(f"{SWITCH.describe()}")
     print(f"{n} requests, prompts of {min(input_lens)}..{max(input_lens)} tokens, outputs of {min(output_lens)}..{max(output_lens)} "
@@ -214,10 +236,11 @@ def main() -> None:
                         help="output lengths are uniform in [ratio * output-len, output-len]")
     stage5.add_argument("--max-running-requests", type=int, default=None, help="default: all requests")
     stage5.add_argument("--max-prefill-tokens", type=int, default=4096)
+    stage5.add_argument("--chunked-prefill-size", type=int, default=512, help="stage 7 on: prompt tokens per step")
     stage5.add_argument("--pool-size", type=int, default=None, help="KV slots (default: all requests at their longest)")
     stage5.add_argument("--hf-batch-size", type=int, default=None, help="transformers static batch size (default: all requests)")
     args = parser.parse_args()
-    if args.stage == 5:  # the field's usual workload, scaled to the device; explicit flags still win
+    if args.stage >= 5:  # the field's usual workload, scaled to the device; explicit flags still win
         parser.set_defaults(**continuous_workload(torch.device(args.device) if args.device else default_device()))
         args = parser.parse_args()
     if not 0 < args.range_ratio <= 1:
@@ -231,7 +254,7 @@ def main() -> None:
     device = torch.device(args.device) if args.device else default_device()
     dtype = default_dtype(device)
     model, tokenizer = load_model(path, device=device, dtype=dtype), Tokenizer(path)
-    if args.stage == 5:
+    if args.stage >= 5:
         return benchmark_continuous(args, model, tokenizer, path, device, dtype)
 
     generator = torch.Generator().manual_seed(args.seed)

@@ -1,0 +1,93 @@
+"""Measure one decode step of a batch: the milestone, the notebook and tools/benchmark_decode.py use it.
+
+``decode_step_latency(model, batch_size, context_len, use_graph)`` prefills ``batch_size``
+requests of ``context_len`` random tokens, runs a few decode steps to warm up (on CUDA the
+bucket's graph is captured there), then times ``runner.forward`` of the next decode steps: the
+model pass that a graph replaces, with the static-buffer copies and metadata refills of the
+graph path included, and the scheduler's host work (slot allocation, building the batch) left
+out, as it is the same on both paths.
+
+``random_model`` builds a model of any shape with random weights (no download), e.g.
+``QWEN3_0_6B``: Qwen3-0.6B's shape.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from s00_foundation.config import ModelConfig
+from s00_foundation.model import CausalLM
+from s02_request_and_sampling.req import Req
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s04_paged_kv_pool.engine import prepare_forward
+
+from .model_runner import ModelRunner
+
+QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json, the fields the engine reads
+    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    tie_word_embeddings=True, rope_theta=1000000.0,
+)
+SMALL_QWEN3 = dict(QWEN3_0_6B, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # a CPU-sized stand-in
+
+
+def random_model(raw_config: dict, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """A ``CausalLM`` of the given config.json fields with random weights (N(0, 0.02), norms 1)."""
+    config = ModelConfig.from_dict(raw_config)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model.to(dtype).eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def decode_step_latency(
+    model: CausalLM, batch_size: int, context_len: int, use_graph: bool, steps: int = 10, warmup: int = 3, seed: int = 0
+) -> dict:
+    """Seconds per decode step (the median of ``steps``) of ``batch_size`` requests with about
+    ``context_len`` tokens in context; ``use_graph=False`` is the eager runner (graphs disabled).
+    Returns {"seconds", "path", "bucket", "backend"}: the path the steps took, their bucket (graph
+    path) and the attention backend (flash-attn when importable on CUDA, else torch)."""
+    longest = context_len + warmup + steps + 1
+    runner = ModelRunner(
+        model, pool_size=batch_size * longest, max_running_requests=batch_size, max_context_len=longest,
+        attention_backend="auto", cuda_graph_max_bs=batch_size, disable_cuda_graph=not use_graph,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)
+    reqs = [Req(i, torch.randint(vocab // 10, vocab // 2, (context_len,), generator=generator).tolist(), params)
+            for i in range(batch_size)]
+    for req, row in zip(reqs, runner.req_to_token_pool.alloc(batch_size)):
+        req.req_pool_idx = row
+    times = []
+    for step in range(1 + warmup + steps):  # the prefill, the warm-up decodes, the timed decodes
+        batch = prepare_forward(runner, reqs)
+        synchronize(runner.device)
+        start = time.perf_counter()
+        logits = runner.forward(batch)
+        synchronize(runner.device)
+        if step > warmup:
+            times.append(time.perf_counter() - start)
+        for req, token in zip(reqs, logits.argmax(-1).tolist()):
+            req.cached_len = req.device_len
+            req.append_token(token)
+    graph = runner.cuda_graph_runner
+    bucket = graph.bucket_for(batch_size, reqs[0].cached_len) if graph is not None else None
+    return {"seconds": sorted(times)[len(times) // 2], "path": runner.last_forward_path, "bucket": bucket,
+            "backend": runner.attention_backend_name}

@@ -1,0 +1,53 @@
+"""Shared by the stage-8 tests: stage 8's runner and stage 4's eager runner driven through the same
+requests step by step (same allocations, so the same slots), and a snapshot of the KV pool."""
+
+from __future__ import annotations
+
+import torch
+
+from s02_request_and_sampling.req import Req
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s04_paged_kv_pool.engine import prepare_forward
+from s04_paged_kv_pool.model_runner import ModelRunner as EagerRunner
+from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
+
+POOL_SIZE, MAX_CONTEXT = 512, 256
+
+
+def runners(model, max_bs: int = 8, max_running_requests: int = 16, **knobs):
+    """(stage 8 runner, stage 4 runner) over the same model, with pools of the same shape."""
+    shape = dict(pool_size=POOL_SIZE, max_running_requests=max_running_requests, max_context_len=MAX_CONTEXT, **knobs)
+    return GraphRunner(model, cuda_graph_max_bs=max_bs, attention_backend="torch", **shape), EagerRunner(model, attention_backend="torch", **shape)
+
+
+def start(runner, prompts) -> list[Req]:
+    """Requests for ``prompts`` holding table rows of ``runner`` (not run yet)."""
+    params = SamplingParams(temperature=0, max_new_tokens=1000, ignore_eos=True)
+    reqs = [Req(i, prompt, params) for i, prompt in enumerate(prompts)]
+    for req, row in zip(reqs, runner.req_to_token_pool.alloc(len(reqs))):
+        req.req_pool_idx = row
+    return reqs
+
+
+def run_pass(runner, reqs, tokens: list[int] | None = None):
+    """One forward pass of ``reqs`` on ``runner``: returns (the ForwardBatch, logits). Then every
+    request is marked cached and appends ``tokens[i]`` (default: its greedy token)."""
+    batch = prepare_forward(runner, reqs)
+    logits = runner.forward(batch)
+    if tokens is None:
+        tokens = logits.argmax(-1).tolist()
+    for req, token in zip(reqs, tokens):
+        req.cached_len = req.device_len
+        req.append_token(token)
+    return batch, logits
+
+
+def pool_bytes(runner) -> torch.Tensor:
+    """Every layer's K and V of every slot, as one [num_slots, 2 * layers, kv_heads, head_dim] tensor (a copy)."""
+    pool = runner.token_to_kv_pool
+    return torch.stack([t for k, v in zip(pool.k_buffer, pool.v_buffer) for t in (k, v)], dim=1).clone()
+
+
+def prompts_of(count: int, first: int = 65) -> list[list[int]]:
+    """``count`` prompts of different lengths (3, 5, 7, ... tokens)."""
+    return [[first + i] + [32 + (7 * i + 3 * j) % 90 for j in range(2 + 2 * i % 11)] for i in range(count)]
