@@ -14,7 +14,7 @@ DEPS_STAMP := $(VENV)/.deps-$(firstword $(shell cksum pyproject.toml))
 # tools that need only the standard library also work before setup
 PY_ANY = $(if $(wildcard $(PY)),$(PY),$(PYTHON_SYSTEM))
 
-DEMO_STAGE ?= s06_radix_cache
+DEMO_STAGE ?= s09_zmq_serving
 REFERENCE_UPTO ?= 0
 CHECKOUTS ?= .
 STAGES ?=
@@ -24,14 +24,16 @@ PYTEST_ARGS ?=
 LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 
-.PHONY: help setup check-env demo test grade prove-fail skeleton check-skeleton \
+.PHONY: help setup check-env demo serve test grade prove-fail skeleton check-skeleton \
         test-gpu notebooks clean distclean
 
 help:
 	@echo "Learners"
 	@echo "  make setup            virtual env in .venv, dependencies, default model (fast when done)"
 	@echo "  make check-env        what this machine has: Python, torch, GPU, model"
-	@echo "  make demo             run the newest finished stage's milestone ($(DEMO_STAGE))"
+	@echo "  make demo             run the newest finished stage's milestone ($(DEMO_STAGE)): start the"
+	@echo "                       server, stream one chat through the openai client, stop it"
+	@echo "  make serve            the OpenAI-compatible server (reference code; ARGS=\"--port 8000 --model ...\")"
 	@echo "  make stage-N          test YOUR stage N (stages/); REFERENCE_UPTO=K borrows stages <= K"
 	@echo "  make upto-N           test your stages 1..N"
 	@echo "  make run-N            run stage N's milestone with your code (ARGS=\"...\" passes arguments)"
@@ -69,7 +71,10 @@ check-env:
 # ---- learners ----------------------------------------------------------------------------
 
 demo: setup
-	$(REFERENCE) $(PY) tools/impl_switch.py run $(DEMO_STAGE) $(ARGS)
+	$(REFERENCE) $(PY) tools/impl_switch.py run $(DEMO_STAGE) $(if $(filter s09_%,$(DEMO_STAGE)),--demo) $(ARGS)
+
+serve: setup
+	$(REFERENCE) $(PY) tools/impl_switch.py run s09_zmq_serving $(ARGS)
 
 stage-%: setup
 	@n=$$(printf %02d "$*" 2>/dev/null) || { echo "usage: make stage-N, N a stage number"; exit 2; }; \

@@ -1,0 +1,142 @@
+"""``DetokenizerManager``: the process that turns the scheduler's token ids into the text each
+client may see now.
+
+Per request it keeps a ``DecodeStatus``: stage 2's ``IncrementalDetokenizer`` (a few tokens
+decoded per step, never half a UTF-8 character) plus how much text was already sent. Two rules
+decide what goes out:
+
+- **Never a broken character.** A byte-level tokenizer spells "é" in two tokens; after the first
+  the incremental detokenizer releases nothing, so nothing is sent.
+- **Never text that later turns out to be a stop string.** With stop=["\\n\\nUser:"] and released
+  text "Sure!\\n\\nUs", the tail "\\n\\nUs" may become the stop string (then it is trimmed) or not
+  (then it is text). Until that is decided the tail is **held back**::
+
+        released:   S u r e ! \\n \\n U s
+        sent:       S u r e !                    held back: the longest tail that is the start of a stop string
+
+  When a stop string is complete it is cut out with everything after it; when the request ends
+  any other way the held-back tail is sent.
+
+The final text is built exactly as the offline engine's ``Req.output_text`` builds it, so a
+streamed answer, joined, equals ``engine.generate(...)[i].text``.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from s00_foundation.tokenizer import Tokenizer
+from s02_request_and_sampling.detokenizer import Decoder, IncrementalDetokenizer
+from s02_request_and_sampling.req import FinishReason
+
+from .io_struct import BatchStrOut, BatchTokenIDOut
+
+
+
+def stop_hold_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of ``text`` could still be the start of a stop string:
+    the longest proper prefix of some stop string that ``text`` ends with (0 if none)."""
+    # BEGIN EXERCISE: the longest k < len(s) (for any stop string s) such that text ends with s[:k]; 0 when none
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+    # END EXERCISE
+
+
+class DecodeStatus:
+    """One request's detokenization: its ids so far, the released text, what was sent."""
+
+    def __init__(self, tokenizer: Decoder, stops: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = list(stops)
+        self.stop_str_max_len = max((len(s) for s in self.stops), default=0)
+        self.output_ids: list[int] = []
+        self.sent = 0  # characters of the final text already sent to the client
+        self.stop_pos: int | None = None  # where the first complete stop string starts in the released text
+
+    def step(self, new_ids: list[int], finish_reason: FinishReason | None) -> str:
+        """Take one step's new token ids (and, on the last step, why the request ended); return
+        the text the client may see now. Joined, the returned pieces are the request's final
+        text: the released text, cut before a matched stop string (and a matched stop token /
+        EOS is not text), with every other tail sent once the request is over."""
+        # BEGIN EXERCISE: append new_ids; if the request ended on a stop token / EOS (finish_reason.matched is an int) the final text is self.detokenizer.flush(ids without that last token); otherwise step the detokenizer, and search its new text for a stop string (as Req.check_finished does: the earliest match wins, remember its start in self.stop_pos); once finished the final text is text[:stop_pos] after a stop string, else flush(all ids); while running, send up to stop_pos, or up to the end minus stop_hold_back(...); return only what was not sent yet
+        self.output_ids += new_ids
+        detok = self.detokenizer
+        if finish_reason is not None and isinstance(finish_reason.matched, int):
+            # The stop token / EOS is not text: the final text is everything before it.
+            final = detok.flush(self.output_ids[:-1])
+            return self._send_until(final, len(final))
+        new_text = detok.step(self.output_ids) if self.output_ids else ""
+        if new_text and self.stops and self.stop_pos is None:
+            text = detok.text
+            # A stop string that just appeared ends inside new_text: search only that window.
+            start = max(0, len(text) - len(new_text) - (self.stop_str_max_len - 1))
+            window = text[start:]
+            hits = [window.find(s) for s in self.stops if s in window]
+            if hits:
+                self.stop_pos = start + min(hits)
+        if finish_reason is not None:
+            if self.stop_pos is not None:
+                final = detok.text[: self.stop_pos]
+            else:
+                final = detok.flush(self.output_ids)
+            return self._send_until(final, len(final))
+        text = detok.text
+        safe = self.stop_pos if self.stop_pos is not None else len(text) - stop_hold_back(text, self.stops)
+        return self._send_until(text, safe)
+        # END EXERCISE
+
+    def _send_until(self, text: str, end: int) -> str:
+        """The part of ``text[:end]`` not sent yet (marked as sent)."""
+        piece = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return piece
+
+
+class DetokenizerManager:
+    """Reads ``BatchTokenIDOut`` from the scheduler, keeps a ``DecodeStatus`` per request, sends
+    ``BatchStrOut`` to the API server; forwards errors and debug answers unchanged."""
+
+    def __init__(self, tokenizer: Decoder):
+        self.tokenizer = tokenizer
+        self.decode_status: dict[str, DecodeStatus] = {}
+
+    def handle_batch_token_id_out(self, batch: BatchTokenIDOut) -> BatchStrOut:
+        out = BatchStrOut([], [], [], [], [])
+        for i, rid in enumerate(batch.rids):
+            status = self.decode_status.get(rid)
+            if status is None:
+                status = self.decode_status[rid] = DecodeStatus(self.tokenizer, batch.stops[i])
+            reason = batch.finish_reasons[i]
+            text = status.step(batch.new_token_ids[i], reason) if reason is None or reason.type != "abort" else ""
+            if reason is not None:
+                del self.decode_status[rid]  # over: forget it
+            if text or reason is not None:
+                out.rids.append(rid)
+                out.texts.append(text)
+                out.finish_reasons.append(None if reason is None else reason.type)
+                out.prompt_tokens.append(batch.prompt_tokens[i])
+                out.completion_tokens.append(batch.completion_tokens[i])
+        return out
+
+
+def run_detokenizer_process(server_args, ipc, ready) -> None:
+    """The detokenizer process: PULL from the scheduler, PUSH to the API server, forever."""
+    manager = DetokenizerManager(Tokenizer(server_args.model))
+    context = zmq.Context()
+    recv_from_scheduler = context.socket(zmq.PULL)
+    recv_from_scheduler.bind(ipc.detokenizer)
+    send_to_api = context.socket(zmq.PUSH)
+    send_to_api.connect(ipc.api_server)
+    ready({})
+    while True:
+        message = recv_from_scheduler.recv_pyobj()
+        if isinstance(message, BatchTokenIDOut):
+            message = manager.handle_batch_token_id_out(message)
+            if not message.rids:
+                continue
+        send_to_api.send_pyobj(message)

@@ -1,0 +1,218 @@
+"""The OpenAI HTTP API as data: request bodies (pydantic models), response bodies, error bodies,
+and ``to_sampling_params``, which turns a request into stage 2's ``SamplingParams``.
+
+What a field means, and what this server does with it:
+
+    model                      must be a name /v1/models lists, else 404 model_not_found
+    messages / prompt          chat goes through the chat template; a completion prompt is
+                               tokenized as it is (a string, or a list of token ids)
+    max_tokens                 (or max_completion_tokens) >= 1; absent: up to the end of the context
+    temperature top_p seed     as OpenAI; top_k min_p ignore_eos are extensions (SGLang's too)
+    stop                       a string or a list of strings, trimmed from the text
+    stream stream_options      SSE chunks; include_usage adds a last chunk with the counts
+
+A field that would change the result and that this server does not do (n > 1, logprobs, tools,
+penalties, logit_bias, ...) is rejected with a 400 naming it, never silently ignored; a field
+nobody knows is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from s02_request_and_sampling.sampling_params import SamplingParams
+
+Number = Union[float, int]  # strict mode: a JSON integer is a valid float, a string is not
+
+
+class InvalidRequest(ValueError):
+    """A request this server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status_code, self.type, self.code = message, param, status_code, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and 1.0 is not an integer; forbid: unknown fields are errors
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class _SamplingFields(_Strict):
+    """The fields chat and completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: int | None = None  # extension
+    min_p: Number | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension
+    user: str | None = None  # only recorded by OpenAI: harmless to accept
+    # Accepted only at the value that changes nothing; anything else is a 400 (see check_supported).
+    n: int | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, Number] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def check_supported(request: _SamplingFields) -> None:
+    """Reject the fields that would change the result and that this server does not implement."""
+    unsupported = [
+        ("n", request.n not in (None, 1), "n > 1 (several choices per request) is not supported; send n=1 or leave it out"),
+        ("logprobs", request.logprobs not in (None, False, 0), "logprobs are not supported by this server"),
+        ("top_logprobs", request.top_logprobs not in (None, 0), "top_logprobs are not supported by this server"),
+        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported by this server"),
+        ("presence_penalty", request.presence_penalty not in (None, 0), "presence_penalty is not supported; leave it at 0"),
+        ("frequency_penalty", request.frequency_penalty not in (None, 0), "frequency_penalty is not supported; leave it at 0"),
+    ]
+    if isinstance(request, ChatCompletionRequest):
+        unsupported += [
+            ("tools", bool(request.tools), "tools (function calling) are not supported by this server"),
+            ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported by this server"),
+            ("response_format", request.response_format not in (None, {"type": "text"}),
+             "response_format other than text (JSON mode, schemas) is not supported by this server"),
+        ]
+    else:
+        unsupported += [
+            ("echo", request.echo, "echo is not supported by this server"),
+            ("suffix", request.suffix is not None, "suffix (insertion) is not supported by this server"),
+            ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported by this server"),
+        ]
+    for param, bad, message in unsupported:
+        if bad:
+            raise InvalidRequest(message, param=param)
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template wants them ({"role", "content"} with text content)."""
+    if not request.messages:
+        raise InvalidRequest("messages must hold at least one message", param="messages")
+    out = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if not isinstance(content, str):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise InvalidRequest(f"messages[{i}].content: only text parts are supported", param=f"messages.{i}.content")
+            content = "".join(part.text for part in content)
+        role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
+        out.append({"role": role, "content": content})
+    return out
+
+
+def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids): one prompt per request."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and all(isinstance(p, int) for p in prompt):
+        if any(p < 0 for p in prompt):
+            raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
+        return None, list(prompt)
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    raise InvalidRequest("prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt")
+
+
+def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:
+    """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
+    it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
+    (param = the API's field name) for a value that cannot be served."""
+    raise NotImplementedError("Stage 9: pick max_tokens (or max_completion_tokens: both given and different is an error), check max_tokens >= 1, temperature >= 0 (0 is greedy), top_p in (0, 1], then build SamplingParams from the fields (None -> SamplingParams' default); turn its ValueError into InvalidRequest - see stages/s09_zmq_serving/README.md")
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
+               usage_: dict | None = None) -> dict:
+    """One SSE chunk of a streamed chat; ``delta=None`` makes the usage-only chunk (no choices)."""
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    chunk["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
+                     usage_: dict | None = None) -> dict:
+    """One SSE chunk of a streamed completion; ``text=None`` makes the usage-only chunk."""
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk

@@ -1,0 +1,137 @@
+"""Stage 9 (graded): the detokenizer worker's per-request logic, without a server.
+
+Text goes out a piece per step, never half a UTF-8 character, never text that later turns out to
+be (part of) a stop string, and the pieces joined are exactly what the offline engine's
+``Req.output_text`` gives for the same tokens (stop strings trimmed, a stop token / EOS dropped)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reference import engine_tokenizer
+from s02_request_and_sampling.req import FinishReason, Req
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s09_zmq_serving.detokenizer_manager import DecodeStatus, stop_hold_back
+
+EOS = 257  # the tiny models' <|im_end|>
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("Sure!\n\nUs", ["\n\nUser:"], 4),  # "\n\nUs" may still become "\n\nUser:"
+    ("Sure!", ["\n\nUser:"], 0),
+    ("ab", ["b", "abc"], 2),  # "ab" is the start of "abc" ("b" alone is a whole stop string, not a start)
+    ("xa", ["a"], 0),  # a complete stop string is not held back: it is cut
+    ("hello wor", ["world", "or not"], 3),  # the longest candidate wins
+    ("", ["x"], 0),
+    ("abc", [], 0),
+])
+def test_stop_hold_back(text, stops, expected):
+    got = stop_hold_back(text, stops)
+    assert got == expected, (
+        f"stop_hold_back({text!r}, {stops!r}) returned {got}, expected {expected}: the longest end of the text that "
+        f"is the beginning (not the whole) of a stop string"
+    )
+
+
+def byte_ids(text: str) -> list[int]:
+    return list(text.encode())  # the tiny models' tokenizer: one token per UTF-8 byte
+
+
+def feed(status: DecodeStatus, ids: list[int], finish_reason=None) -> list[str]:
+    """One token per step; the last step carries finish_reason. Returns the pieces."""
+    return [status.step([t], finish_reason if i == len(ids) - 1 else None) for i, t in enumerate(ids)]
+
+
+def test_multibyte_characters_are_never_split(tiny_models_root):
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    text = "né 中文 ☃!"
+    status = DecodeStatus(tokenizer, stops=[])
+    pieces = feed(status, byte_ids(text), FinishReason("length"))
+    for i, piece in enumerate(pieces):
+        assert "\ufffd" not in piece, (
+            f"after token {i} the detokenizer sent {piece!r}: half a UTF-8 character (U+FFFD); it must wait for the "
+            f"character's last byte. Pieces so far: {pieces[: i + 1]}"
+        )
+    assert "".join(pieces) == text, f"the pieces {pieces} joined give {''.join(pieces)!r}, expected {text!r}"
+    first = byte_ids("né")
+    assert pieces[: len(first)] == ["n", "", "é"], f"'né' is 3 byte tokens: expected pieces ['n', '', 'é'], got {pieces[:3]}"
+
+
+def test_a_possible_stop_string_is_held_back_then_cut(tiny_models_root):
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    stop = "\n\nUser:"
+    status = DecodeStatus(tokenizer, stops=[stop])
+    pieces = feed(status, byte_ids("Sure!\n\nUs"))
+    assert "".join(pieces) == "Sure!", (
+        f"after 'Sure!\\n\\nUs' with stop string {stop!r} the client may only have seen 'Sure!' (the tail may become the "
+        f"stop string); it got {''.join(pieces)!r}"
+    )
+    more = feed(status, byte_ids("er:"), FinishReason("stop", matched=stop))
+    assert "".join(pieces + more) == "Sure!", (
+        f"the stop string completed: the final text is 'Sure!' (stop string trimmed), but the pieces joined give "
+        f"{''.join(pieces + more)!r}"
+    )
+
+
+def test_a_held_back_tail_is_released_when_it_is_not_a_stop_string(tiny_models_root):
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    status = DecodeStatus(tokenizer, stops=["\n\nUser:"])
+    pieces = feed(status, byte_ids("Sure!\n\nUs"))
+    later = feed(status, byte_ids("ing it"))
+    assert "".join(pieces + later) == "Sure!\n\nUsing it", (
+        f"'\\n\\nUs' turned into '\\n\\nUsing', which is no stop string: it must be sent as soon as that is clear; "
+        f"the pieces joined give {''.join(pieces + later)!r}"
+    )
+    end = feed(status, byte_ids("\n\nU"), FinishReason("length"))
+    assert "".join(pieces + later + end) == "Sure!\n\nUsing it\n\nU", (
+        "the request ended on 'length' with a held-back tail: the tail is text and must be sent at the end; "
+        f"got {''.join(pieces + later + end)!r}"
+    )
+
+
+def random_output(rng: random.Random) -> list[int]:
+    """Token ids mixing ASCII, multi-byte characters, stray continuation bytes and an EOS now and then."""
+    ids: list[int] = []
+    while len(ids) < 40:
+        kind = rng.random()
+        if kind < 0.5:
+            ids += byte_ids(rng.choice(["a", "b", " ", "\n", "ab", "ba", "x"]))
+        elif kind < 0.8:
+            ids += byte_ids(rng.choice(["é", "中", "☃", "ü"]))
+        elif kind < 0.95:
+            ids.append(rng.randrange(128, 192))  # a lone continuation byte: invalid UTF-8
+        else:
+            ids.append(EOS)
+    return ids
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
+    """The same tokens through stage 2's Req (what the offline engine returns) and through the
+    detokenizer: the pieces joined must equal req.output_text, and at every step what was sent is
+    a prefix of that final text (nothing is ever taken back)."""
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    rng = random.Random(seed)
+    ids = random_output(rng)
+    stops = rng.choice([[], ["ab"], ["\n", "é中"], ["ba b", "x"], ["☃☃"]])
+    max_new = rng.randint(10, 40)
+    req = Req(f"r{seed}", [65], SamplingParams(max_new_tokens=max_new, stop=stops), tokenizer=tokenizer)
+    status = DecodeStatus(tokenizer, stops)
+    sent = []
+    for token in ids:
+        req.append_token(token)
+        req.check_finished()
+        sent.append(status.step([token], req.finished_reason))
+        if req.finished:
+            break
+    final = req.output_text
+    what = f"seed {seed}: tokens {req.output_ids}, stop strings {stops}, finish {req.finished_reason}"
+    assert "".join(sent) == final, f"{what}: the pieces joined give {''.join(sent)!r}, the offline engine's text is {final!r}"
+    for step in range(len(sent)):
+        so_far = "".join(sent[: step + 1])
+        assert final.startswith(so_far), (
+            f"{what}: after step {step} the client had seen {so_far!r}, which is not a beginning of the final text "
+            f"{final!r}: text was sent that later had to be taken back"
+        )

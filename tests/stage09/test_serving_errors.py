@@ -1,0 +1,92 @@
+"""Stage 9 (graded): bad input gets OpenAI's error body and the right status, and the server
+keeps serving: after each bad request, a good one still works."""
+
+from __future__ import annotations
+
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from serving_helpers import post, read_sse
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields):
+    return {"model": "llama", "messages": MESSAGES, "max_tokens": 4, **fields}
+
+
+def without(body: dict, field: str) -> dict:
+    return {k: v for k, v in body.items() if k != field}
+
+
+# (what, path, JSON body or raw text, status, param the error must name (None: any), words the message must hold)
+BAD_INPUTS = [
+    ("malformed JSON", CHAT, '{"model": "llama", "messages": [', 400, None, "JSON"),
+    ("a JSON list instead of an object", CHAT, "[1, 2]", 400, None, ""),
+    ("no messages", CHAT, without(chat(), "messages"), 400, "messages", ""),
+    ("messages of the wrong type", CHAT, chat(messages="Hi"), 400, "messages", ""),
+    ("empty messages", CHAT, chat(messages=[]), 400, "messages", ""),
+    ("a message without content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages.0.content", ""),
+    ("an unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages.0.role", ""),
+    ("no model", CHAT, without(chat(), "model"), 400, "model", ""),
+    ("max_tokens = 0", CHAT, chat(max_tokens=0), 400, "max_tokens", ">= 1"),
+    ("max_tokens < 0", COMPLETIONS, {"model": "llama", "prompt": "Hi", "max_tokens": -5}, 400, "max_tokens", ""),
+    ("max_tokens as a string", CHAT, chat(max_tokens="5"), 400, "max_tokens", ""),
+    ("temperature < 0", CHAT, chat(temperature=-0.5), 400, "temperature", ""),
+    ("temperature as a string", CHAT, chat(temperature="hot"), 400, "temperature", ""),
+    ("top_p = 0", CHAT, chat(top_p=0), 400, "top_p", "(0, 1]"),
+    ("top_p > 1", COMPLETIONS, {"model": "llama", "prompt": "Hi", "max_tokens": 4, "top_p": 1.5}, 400, "top_p", ""),
+    ("an empty stop string", CHAT, chat(stop=[""]), 400, "stop", ""),
+    ("stream as a string", CHAT, chat(stream="yes"), 400, "stream", ""),
+    ("n = 2", CHAT, chat(n=2), 400, "n", "not supported"),
+    ("logprobs", CHAT, chat(logprobs=True), 400, "logprobs", "not supported"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
+    ("a field nobody knows", CHAT, chat(temprature=0.5), 400, "temprature", ""),
+    ("no prompt", COMPLETIONS, {"model": "llama", "max_tokens": 4}, 400, "prompt", ""),
+    ("a batch of prompts", COMPLETIONS, {"model": "llama", "prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt", ""),
+    ("an unknown model", CHAT, chat(model="gpt-17"), 404, "model", "gpt-17"),
+    ("a prompt longer than the context", COMPLETIONS, {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4}, 400, None, "context"),
+    ("a streamed prompt longer than the context", COMPLETIONS,
+     {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4, "stream": True}, 400, None, "context"),
+    ("prompt plus max_tokens beyond the context", CHAT, chat(max_tokens=1020), 400, None, "max_new_tokens"),
+]
+
+
+def assert_good_request_works(server, after: str) -> None:
+    answer = post(server, CHAT, chat(max_tokens=3, temperature=0, stream=True))
+    assert answer.status_code == 200, f"after {after}, a good streamed request got {answer.status_code}: {answer.text[:300]}"
+    chunks = read_sse(answer)
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish == ["length"], f"after {after}, a good request (max_tokens 3) should finish once with 'length'; got {finish}"
+
+
+@pytest.mark.parametrize("what, path, body, status, param, words", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(tiny_server, what, path, body, status, param, words):
+    answer = post(tiny_server, path, data=body) if isinstance(body, str) else post(tiny_server, path, body)
+    assert answer.status_code == status, f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
+    try:
+        error = answer.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        raise AssertionError(f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}") from None
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
+        f"{what}: the error must hold message, type, param and code; got {error}"
+    )
+    if param is not None:
+        assert error["param"] == param, f"{what}: the error should name param {param!r}; got {error}"
+    assert words in error["message"], f"{what}: the message should say {words!r}; got {error['message']!r}"
+    if status == 404:
+        assert error["code"] == "model_not_found", f"{what}: OpenAI's code for an unknown model is 'model_not_found'; got {error}"
+    assert_good_request_works(tiny_server, what)
+
+
+def test_the_openai_client_sees_the_errors(tiny_server):
+    client = OpenAI(base_url=tiny_server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(BadRequestError) as caught:
+        client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=4, temperature=-1)
+    assert "temperature" in str(caught.value), f"the client's error should explain temperature: {caught.value}"
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4)
+    answer = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert answer.usage.completion_tokens == 2, f"a good request after errors should generate 2 tokens: {answer}"

@@ -1,0 +1,167 @@
+"""Stage 9 (graded): the official ``openai`` client, streaming and not, gets exactly the text the
+offline engine produces for the same request (finish reasons and token counts included), and 40
+concurrent streaming clients all get theirs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from openai import AsyncOpenAI, OpenAI
+
+from reference import engine_tokenizer
+from s02_request_and_sampling.sampling_params import SamplingParams
+from serving_helpers import greedy, offline_engine, offline_outputs
+
+COMPLETION_PROMPTS = ["Hello", "héllo wörld ☃ 中文", "The quick brown fox jumps", "a\nb\n\nc"]
+
+
+def client_for(server) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def run(client: OpenAI, kind: str, stream: bool, **request):
+    """(text, finish_reason, usage) of one request through the openai client."""
+    create = client.chat.completions.create if kind == "chat" else client.completions.create
+    if not stream:
+        answer = create(**request)
+        choice = answer.choices[0]
+        return (choice.message.content if kind == "chat" else choice.text), choice.finish_reason, answer.usage
+    pieces, finish, usage = [], None, None
+    for chunk in create(stream=True, stream_options={"include_usage": True}, **request):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if kind == "chat" else choice.text
+            pieces.append(piece or "")
+            finish = choice.finish_reason or finish
+    return "".join(pieces), finish, usage
+
+
+def assert_same_answer(got, expected, what: str) -> None:
+    text, finish, usage = got
+    assert text == expected.text, f"{what}: the server answered {text!r}, the offline engine's text is {expected.text!r}"
+    assert finish == expected.finish_reason.type, (
+        f"{what}: finish_reason {finish!r}, but the offline engine's request ended with {expected.finish_reason}"
+    )
+    assert usage is not None, f"{what}: the answer has no usage (streamed: it needs the include_usage chunk)"
+    counts = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+    right = (expected.prompt_tokens, expected.output_tokens, expected.prompt_tokens + expected.output_tokens)
+    assert counts == right, f"{what}: usage (prompt, completion, total) = {counts}, the true counts are {right}"
+
+
+def stop_string_from(text: str) -> str | None:
+    """Two characters from the middle of ``text`` (no U+FFFD), to use as a stop string that will match."""
+    for i in range(3, len(text) - 1):
+        if "\ufffd" not in text[i : i + 2]:
+            return text[i : i + 2]
+    return None
+
+
+def test_models_lists_the_served_model(tiny_server):
+    client = client_for(tiny_server)
+    names = [m.id for m in client.models.list()]
+    assert names == [tiny_server.model.name], f"GET /v1/models should list the one served model {tiny_server.model.name!r}; got {names}"
+    # the listed name is usable (and the server is alive enough to answer)
+    assert run(client, "completion", False, model=names[0], prompt="Hi", max_tokens=2, temperature=0)[2].completion_tokens == 2
+
+
+def test_completions_equal_the_offline_engine(tiny_server):
+    """Greedy completions on the tiny model (random bytes: broken UTF-8 included), with and without
+    stop strings, streamed and not."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
+    plain = offline_outputs(engine, [tokenizer.encode(p) for p in COMPLETION_PROMPTS], greedy(12))
+    with_stop = 0
+    for prompt, expected in zip(COMPLETION_PROMPTS, plain):
+        cases = [(None, expected)]
+        stop = stop_string_from(expected.text)
+        if stop is not None:
+            [stopped] = offline_outputs(engine, [tokenizer.encode(prompt)], greedy(12, stop=[stop]))
+            cases.append((stop, stopped))
+            with_stop += stopped.finish_reason.matched == stop
+        for stop, reference in cases:
+            for stream in (False, True):
+                what = f"completion of {prompt!r} (greedy, max_tokens 12, stop {stop!r}, stream={stream})"
+                got = run(client, "completion", stream, model=path.name, prompt=prompt, max_tokens=12, temperature=0,
+                          **({"stop": stop} if stop else {}))
+                assert_same_answer(got, reference, what)
+    assert with_stop >= 2, "the test should have exercised stop strings on at least two prompts"
+
+
+def test_token_id_prompts_and_ignore_eos(tiny_server):
+    client, path = client_for(tiny_server), tiny_server.model
+    engine = offline_engine(path, pool_size=4096)
+    ids = [72, 105, 32, 226, 152]  # ends inside a character
+    [expected] = offline_outputs(engine, [ids], greedy(10, ignore_eos=True))
+    for stream in (False, True):
+        got = run(client, "completion", stream, model=path.name, prompt=ids, max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+        assert_same_answer(got, expected, f"a prompt of token ids {ids}, ignore_eos, stream={stream}")
+
+
+def test_sampled_requests_with_a_seed_equal_the_offline_engine(tiny_server):
+    client, path = client_for(tiny_server), tiny_server.model
+    engine = offline_engine(path, pool_size=4096)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about ünïcode."}]
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.02, seed=1234, max_new_tokens=16)
+    [expected] = offline_outputs(engine, [messages], params)
+    for stream in (False, True):
+        got = run(client, "chat", stream, model=path.name, messages=messages, max_tokens=16, temperature=0.9, top_p=0.95,
+                  seed=1234, extra_body={"top_k": 50, "min_p": 0.02})
+        assert_same_answer(got, expected, f"a sampled chat (temperature 0.9, top_p 0.95, top_k 50, min_p 0.02, seed 1234), stream={stream}")
+
+
+def test_chat_on_the_default_model_equals_the_offline_engine(default_server):
+    client, path = client_for(default_server), default_server.model
+    engine = offline_engine(path, pool_size=2048)
+    conversations = [
+        [{"role": "user", "content": "What is 2 + 2? Answer with just the number."}],
+        [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "Write two lines about the sea."}],
+    ]
+    expected = offline_outputs(engine, conversations, greedy(24))
+    assert {out.finish_reason.type for out in expected} == {"stop", "length"}, (
+        f"the workload should end once on EOS and once on max_tokens; the offline engine gave {[str(o.finish_reason) for o in expected]}"
+    )
+    words = expected[1].text.split()
+    stop = " " + words[len(words) // 2]
+    [stopped] = offline_outputs(engine, [conversations[1]], greedy(24, stop=[stop, "zzz"]))
+    for stream in (False, True):
+        for messages, reference in zip(conversations, expected):
+            got = run(client, "chat", stream, model=path.name, messages=messages, max_tokens=24, temperature=0)
+            assert_same_answer(got, reference, f"chat {messages[-1]['content']!r} (greedy, max_tokens 24, stream={stream})")
+        got = run(client, "chat", stream, model=path.name, messages=conversations[1], max_tokens=24, temperature=0, stop=[stop, "zzz"])
+        assert_same_answer(got, stopped, f"chat with stop strings {[stop, 'zzz']!r} (stream={stream})")
+
+
+def test_40_concurrent_streaming_clients(tiny_server):
+    client, path = tiny_server, tiny_server.model
+    engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
+    prompts = [f"client {i}: " + "abcdefgh"[: i % 8] + "é" * (i % 3) for i in range(40)]
+    limits = [4 + i % 13 for i in range(40)]
+    expected = offline_outputs(engine, [tokenizer.encode(p) for p in prompts], [greedy(n) for n in limits])
+
+    async def one(aclient: AsyncOpenAI, prompt: str, limit: int):
+        pieces, finish = [], None
+        stream = await aclient.completions.create(model=path.name, prompt=prompt, max_tokens=limit, temperature=0, stream=True)
+        async for chunk in stream:
+            for choice in chunk.choices:
+                pieces.append(choice.text)
+                finish = choice.finish_reason or finish
+        return "".join(pieces), finish
+
+    async def all_of_them():
+        aclient = AsyncOpenAI(base_url=client.base_url + "/v1", api_key="x", max_retries=0, timeout=180)
+        try:
+            return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, limits)))
+        finally:
+            await aclient.close()
+
+    answers = asyncio.run(all_of_them())
+    for i, ((text, finish), reference) in enumerate(zip(answers, expected)):
+        what = f"concurrent client {i} of 40 (prompt {prompts[i]!r}, max_tokens {limits[i]})"
+        assert (text, finish) == (reference.text, reference.finish_reason.type), (
+            f"{what}: got {text!r} ({finish}), the offline engine gives {reference.text!r} ({reference.finish_reason.type})"
+        )
+    state = tiny_server.debug_state()
+    assert state["invariants"] == "ok", f"after 40 concurrent requests the scheduler's checks fail: {state['invariants']}"
+    assert state["running"] == state["waiting"] == 0, f"after every answer arrived, requests still run or wait: {state}"
