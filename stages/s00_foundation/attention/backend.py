@@ -33,7 +33,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     Grouped-query attention (KVH < H) shares each K/V head among H / KVH query heads.
     """
     n, total = q.shape[0], k.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
+    # [1, heads, tokens, D]: SDPA's fused kernels (flash attention, also on a CPU) take only 4-D
+    # inputs; 3-D ones fall back to the math path, which computes every masked score too (5x
+    # slower for a 1500-token prompt on a CPU, measured).
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if n == total:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
     elif n == 1:
@@ -45,4 +48,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         query_pos = torch.arange(total - n, total, device=q.device)[:, None]
         key_pos = torch.arange(total, device=q.device)[None, :]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=key_pos <= query_pos, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
