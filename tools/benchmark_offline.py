@@ -96,7 +96,7 @@ ENGINES: dict[int, tuple[str, Callable]] = {
     4: ("stage 4: static batch out of one paged KV pool", run_stage4),
     5: ("stage 5: continuous batching (scheduler, mixed prefill + decode passes, retraction)", run_stage5),
     7: ("stage 7: stage 6's radix-cache engine with chunked prefill", run_stage7),
-    8: ("stage 8: stage 7's engine with decode passes replayed from CUDA graphs (eagerly on a CPU)", run_stage8),
+    8: ("stage 8: stage 7's engine with decode passes replayed from CUDA graphs (on a CPU: no graphs, as stage 7)", run_stage8),
 }
 
 

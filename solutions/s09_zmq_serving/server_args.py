@@ -25,7 +25,7 @@ ENGINE_KNOBS: list[tuple[str, str, Any, Any, str]] = [
     ("--disable-radix-cache", "enable_radix_cache", "disable", None, "compute every prompt in full"),
     ("--chunked-prefill-size", "chunked_prefill_size", int, None, "prompt tokens per step; longer prompts are chunked (stage 7)"),
     ("--cuda-graph-max-bs", "cuda_graph_max_bs", int, None, "largest decode batch replayed from a CUDA graph (stage 8)"),
-    ("--disable-cuda-graph", "disable_cuda_graph", "flag", None, "run every decode eagerly (stage 8)"),
+    ("--disable-cuda-graph", "disable_cuda_graph", "flag", None, "run every decode eagerly (stage 8; by default graphs run on CUDA only)"),
     ("--device", "device", str, None, "cpu or cuda (default: cuda when there is one)"),
     ("--dtype", "dtype", "dtype", None, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
 ]

@@ -50,7 +50,7 @@ def test_engine_greedy_equals_transformers_and_stage7(tiny_model_dir):
     prompts = prompts_of(6)
     limits = [9, 4, 12, 6, 10, 7]
     # 6 requests, graphs up to 4: decodes of 5-6 requests run eagerly, 1-4 replay the graph path.
-    engine = Engine(model, tok, pool_size=512, max_running_requests=8, cuda_graph_max_bs=4)
+    engine = Engine(model, tok, pool_size=512, max_running_requests=8, cuda_graph_max_bs=4, disable_cuda_graph=False)
     got = engine.generate(prompts, [greedy(n) for n in limits])
     stage7 = Stage7Engine(model, tok, pool_size=512, max_running_requests=8).generate(prompts, [greedy(n) for n in limits])
     for i, (prompt, n) in enumerate(zip(prompts, limits)):
@@ -95,6 +95,23 @@ def test_disable_cuda_graph_runs_everything_eagerly(tiny_models_root):
         assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, 5), f"qwen3, request {i}, graphs disabled")
 
 
+def test_default_uses_graphs_only_on_cuda(tiny_models_root):
+    """Nothing is captured on a CPU, where the padded static path only costs: the default engine
+    runs eagerly there (and replays graphs on CUDA)."""
+    path = str(tiny_models_root / "llama")
+    model, tok = engine_model(path), engine_tokenizer(path)
+    engine = Engine(model, tok, pool_size=256)
+    got = engine.generate(prompts_of(2), greedy(4))
+    on_cuda = model.device.type == "cuda"
+    assert (engine.runner.cuda_graph_runner is not None) == on_cuda, (
+        f"the default engine on {model.device.type} should {'' if on_cuda else 'not '}have a CudaGraphRunner"
+    )
+    expected = {"eager", "graph"} if on_cuda else {"eager"}
+    assert set(engine.runner.forward_paths) == expected, f"default engine on {model.device.type}: paths {dict(engine.runner.forward_paths)}"
+    for i, prompt in enumerate(prompts_of(2)):
+        assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, 4), f"llama, request {i}, default engine")
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_engine_across_key_length_buckets_and_pages(tiny_models_root, page_size):
     path = str(tiny_models_root / "qwen3")
@@ -102,7 +119,7 @@ def test_engine_across_key_length_buckets_and_pages(tiny_models_root, page_size)
     shared = [32 + (7 * j) % 90 for j in range(58)]  # a 58-token prefix the radix cache shares
     prompts = [shared + [65 + i] for i in range(3)] + [[70, 71, 72]]
     limits = [12, 8, 10, 5]  # the longest crosses 64 tokens in context: key-length bucket 64, then 128
-    engine = Engine(model, tok, pool_size=512, page_size=page_size, max_running_requests=4)
+    engine = Engine(model, tok, pool_size=512, page_size=page_size, max_running_requests=4, disable_cuda_graph=False)
     got = engine.generate(prompts, [greedy(n) for n in limits])
     buckets = set(engine.runner.cuda_graph_runner.batches)
     assert {kv for _, kv in buckets} >= {64, 128}, (
