@@ -193,6 +193,10 @@ class Scheduler:
         remaining = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
         return math.ceil(self.new_token_ratio * max(remaining, 0))
 
+    def reserved_slots(self, reqs) -> int:
+        """Slots admission keeps back for ``reqs``: their next pass and their future_slots."""
+        return self.next_pass_slots(reqs) + sum(self.future_slots(req) for req in reqs)
+
     def start_req(self, req: Req, match: PrefixMatch) -> None:
         """Give an admitted request a table row whose first ``match.cached_len`` positions point
         at the cached slots (none here); its next pass computes the rest of its fill_ids."""
@@ -265,7 +269,7 @@ class Scheduler:
         requests (each started with start_req, its device_len set to the end of its pass), in order."""
         self.order_waiting()
         admitted: list[Req] = list(scheduled)
-        reserved = sum(slots_to_extend(req, self.page_size) + self.future_slots(req) for req in (*self.running, *scheduled))
+        reserved = self.reserved_slots([*self.running, *scheduled])
         budget = self.max_prefill_tokens if budget is None else budget
         # BEGIN EXERCISE: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), take its pass length from self.prefill_len, stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, set its device_len to the end of its pass, start_req it, and charge the budgets
         while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:

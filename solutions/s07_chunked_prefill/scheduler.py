@@ -76,8 +76,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         """Tokens of the half-prefilled ``req``'s next chunk: the rest of its prompt, cut to the
         budget and to the pool's room after what the running requests keep back (0: no room)."""
         rest = self.prefill_len(req, req.cached_len, budget)
-        reserved = sum(self.next_pass_slots([r]) + self.future_slots(r) for r in self.running)
-        room = self.available_slots() - reserved
+        room = self.available_slots() - self.reserved_slots(self.running)
         # Whole pages: the chunk first fills the request's last page, then takes new ones.
         room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
         return max(0, min(rest, room_tokens))
