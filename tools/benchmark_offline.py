@@ -161,6 +161,29 @@ def run_transformers_continuous(hf_model, prompts: Prompts, output_lens: list[in
     return [list(results[i].generated_tokens) for i in ids]
 
 
+def random_prompts(vocab: int, lengths: list[int], generator: torch.Generator) -> Prompts:
+    """Token-id prompts of the given lengths, ids from the middle of the vocabulary: ordinary
+    tokens, no special ones."""
+    return [torch.randint(vocab // 10, vocab // 2, (k,), generator=generator).tolist() for k in lengths]
+
+
+def time_engine(engine: Callable, model, tokenizer, prompts: Prompts, output_len, args, device) -> tuple[Prompts, float]:
+    """The engine's outputs on ``prompts`` and their wall time, after a warm-up run (allocator,
+    kernels, lazy initialisation)."""
+    engine(model, tokenizer, prompts[:1], 2, args)
+    return timed(lambda: engine(model, tokenizer, prompts, output_len, args), device)
+
+
+def load_transformers(path, dtype, device, tokenizer, warmup_prompt: list[int]):
+    """(transformers' model of the same weights, its pad id), warmed up on one prompt."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0
+    run_transformers(hf_model, [warmup_prompt], 2, pad_id)
+    return hf_model, pad_id
+
+
 def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
     """Stage 5: requests of mixed input and output lengths, this engine vs transformers generate
     (static batches) vs transformers' continuous batching, on the same requests."""
@@ -171,8 +194,7 @@ def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
         return torch.randint(max(1, int(ratio * high)), high + 1, (n,), generator=generator).tolist()
 
     input_lens, output_lens = uniform(args.range_ratio, args.input_len), uniform(args.output_range_ratio, args.output_len)
-    vocab = model.config.vocab_size  # ids from the middle of the vocabulary: ordinary tokens, no special ones
-    prompts = [torch.randint(vocab // 10, vocab // 2, (k,), generator=generator).tolist() for k in input_lens]
+    prompts = random_prompts(model.config.vocab_size, input_lens, generator)
     total = sum(output_lens)
     name, engine = ENGINES[args.stage]
     print(f"model: {path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
@@ -180,19 +202,14 @@ def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
     print(f"{n} requests, prompts of {min(input_lens)}..{max(input_lens)} tokens, outputs of {min(output_lens)}..{max(output_lens)} "
           f"tokens ({total} in all, EOS ignored), greedy; throughput = output tokens / wall time")
 
-    engine(model, tokenizer, prompts[:1], 2, args)  # warm-up
-    ours, ours_s = timed(lambda: engine(model, tokenizer, prompts, output_lens, args), device)
+    ours, ours_s = time_engine(engine, model, tokenizer, prompts, output_lens, args, device)
     print(f"\n{name}")
     print(f"  engine:                            {total:7d} tokens in {ours_s:8.2f} s = {total / ours_s:9.1f} tokens/s")
     if args.skip_transformers:
         return
 
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0
+    hf_model, pad_id = load_transformers(path, dtype, device, tokenizer, prompts[0])
     batch = args.hf_batch_size or n
-    run_transformers(hf_model, prompts[:1], 2, pad_id)  # warm-up
     static, static_s = timed(lambda: run_transformers_static_batches(hf_model, prompts, output_lens, pad_id, batch), device)
     print(f"  transformers generate, static:     {total:7d} tokens in {static_s:8.2f} s = {total / static_s:9.1f} tokens/s "
           f"(batches of {batch}, left-padded, each runs to its longest output)")
@@ -260,9 +277,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     low = max(1, int(args.range_ratio * args.input_len))
     lengths = torch.randint(low, args.input_len + 1, (args.num_requests,), generator=generator).tolist()
-    # Ids from the middle of the vocabulary: ordinary tokens, no special ones.
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(vocab // 10, vocab // 2, (n,), generator=generator).tolist() for n in lengths]
+    prompts = random_prompts(model.config.vocab_size, lengths, generator)
     total = args.num_requests * args.output_len
 
     name, engine = ENGINES[args.stage]
@@ -271,18 +286,13 @@ def main() -> None:
     print(f"{args.num_requests} requests, prompts of {min(lengths)}..{max(lengths)} tokens, {args.output_len} new tokens each "
           f"(EOS ignored), greedy")
 
-    engine(model, tokenizer, prompts[:1], 2, args)  # warm-up: allocator, kernels, lazy init
-    ours, ours_s = timed(lambda: engine(model, tokenizer, prompts, args.output_len, args), device)
+    ours, ours_s = time_engine(engine, model, tokenizer, prompts, args.output_len, args, device)
     print(f"\n{name}")
     print(f"  engine:       {total:6d} tokens in {ours_s:8.2f} s = {total / ours_s:9.1f} tokens/s")
     if args.skip_transformers:
         return
 
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0
-    run_transformers(hf_model, prompts[:1], 2, pad_id)  # warm-up
+    hf_model, pad_id = load_transformers(path, dtype, device, tokenizer, prompts[0])
     theirs, theirs_s = timed(lambda: run_transformers(hf_model, prompts, args.output_len, pad_id), device)
     print(f"  transformers: {total:6d} tokens in {theirs_s:8.2f} s = {total / theirs_s:9.1f} tokens/s "
           f"(static batch, left padding to {max(lengths)})")
