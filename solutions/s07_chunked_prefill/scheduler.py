@@ -81,7 +81,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
         return max(0, min(rest, room_tokens))
 
-    def admit_new_requests(self, scheduled=(), budget=None) -> list[Req]:
+    def admit_new_requests(self, budget: int | None = None) -> list[Req]:
         """The half-prefilled request's next chunk first, then stage 5's admission of waiting
         requests in what is left of the budget (where the last one admitted may be cut)."""
         budget = self.step_budget() if budget is None else budget
