@@ -135,7 +135,7 @@ class CudaGraphRunner:
         # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
         self.fill_padding(0, bs)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs], self.seq_lens[:bs])
-        raise NotImplementedError("Stage 8: (CUDA; checked by make test-gpu) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
+        raise NotImplementedError("Stage 8: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make test-gpu) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
 
     # --- replay -----------------------------------------------------------------------------------
 
