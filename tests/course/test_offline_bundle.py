@@ -57,7 +57,8 @@ def test_a_damaged_piece_is_named(tmp_path):
     for number in range(1, manifest["loads"] + 1):
         offline_bundle.stash_load(out / str(number), stash)
     piece = stash / "2" / manifest["files"][files[1].name]["parts"][1][1]
-    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    data = piece.read_bytes()
+    piece.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # one byte flipped
     assert offline_bundle.join_files(stash, manifest, tmp_path / "joined") == [files[1].name]
 
 
