@@ -7,15 +7,14 @@ GPU is a failure instead.
 
 from __future__ import annotations
 
-import asyncio
 
 QUESTION = "What is the capital of France?"
 
 
 def test_the_server_answers_on_cuda_with_graphs(cuda_device, default_model_dir):
-    from openai import AsyncOpenAI, OpenAI
+    from openai import OpenAI
 
-    from stage09.serving_helpers import Server
+    from stage09.serving_helpers import Server, stream_concurrently
 
     server = Server(default_model_dir, ["--device", "cuda", "--pool-size", "8192"])
     try:
@@ -25,25 +24,9 @@ def test_the_server_answers_on_cuda_with_graphs(cuda_device, default_model_dir):
         )
         assert "Paris" in answer.choices[0].message.content, f"on CUDA the server answered {answer.choices[0].message.content!r}"
 
-        async def streamed(aclient, i: int) -> tuple[str, str]:
-            stream = await aclient.chat.completions.create(
-                model=default_model_dir.name, messages=[{"role": "user", "content": f"Count to {i + 3}."}],
-                max_tokens=24, temperature=0, stream=True,
-            )
-            text, finish = "", None
-            async for chunk in stream:
-                text += chunk.choices[0].delta.content or ""
-                finish = chunk.choices[0].finish_reason or finish
-            return text, finish
-
-        async def twelve_at_once():
-            aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none")
-            try:
-                return await asyncio.gather(*(streamed(aclient, i) for i in range(12)))
-            finally:
-                await aclient.close()
-
-        for i, (text, finish) in enumerate(asyncio.run(twelve_at_once())):
+        requests_ = [dict(model=default_model_dir.name, messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+                          max_tokens=24, temperature=0) for i in range(12)]
+        for i, (text, finish) in enumerate(stream_concurrently(server, "chat", requests_)):
             assert text and finish in ("stop", "length"), f"stream {i} on CUDA ended with {finish!r} after {text!r}"
         state = server.debug_state()
         assert state["device"].startswith("cuda") and state["dtype"] == "torch.bfloat16", f"the engine ran on {state['device']} in {state['dtype']}"

@@ -3,6 +3,7 @@ offline engine's answers to compare with, and small HTTP helpers."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from openai import AsyncOpenAI
 
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -109,6 +111,29 @@ def offline_outputs(engine: Engine, prompts, params):
 
 def greedy(max_tokens: int, **more) -> SamplingParams:
     return SamplingParams(temperature=0, max_new_tokens=max_tokens, **more)
+
+
+def stream_concurrently(server: Server, kind: str, requests_: list[dict]) -> list[tuple[str, str | None]]:
+    """Every request (the openai client's arguments) sent at once and streamed, ``kind`` "chat" or
+    "completions"; returns each one's (text, finish_reason), in order."""
+
+    async def one(aclient: AsyncOpenAI, request: dict):
+        create = aclient.chat.completions.create if kind == "chat" else aclient.completions.create
+        pieces, finish = [], None
+        async for chunk in await create(stream=True, **request):
+            for choice in chunk.choices:
+                pieces.append((choice.delta.content or "") if kind == "chat" else choice.text)
+                finish = choice.finish_reason or finish
+        return "".join(pieces), finish
+
+    async def all_of_them():
+        aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=180)
+        try:
+            return await asyncio.gather(*(one(aclient, request) for request in requests_))
+        finally:
+            await aclient.close()
+
+    return asyncio.run(all_of_them())
 
 
 def post(server: Server, path: str, body=None, data: str | None = None, timeout: float = 120) -> requests.Response:

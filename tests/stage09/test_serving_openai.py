@@ -4,13 +4,11 @@ concurrent streaming clients all get theirs."""
 
 from __future__ import annotations
 
-import asyncio
-
-from openai import AsyncOpenAI, OpenAI
+from openai import OpenAI
 
 from reference import engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from serving_helpers import greedy, offline_engine, offline_outputs
+from serving_helpers import greedy, offline_engine, offline_outputs, stream_concurrently
 
 COMPLETION_PROMPTS = ["Hello", "héllo wörld ☃ 中文", "The quick brown fox jumps", "a\nb\n\nc"]
 
@@ -140,23 +138,8 @@ def test_40_concurrent_streaming_clients(tiny_server):
     limits = [4 + i % 13 for i in range(40)]
     expected = offline_outputs(engine, [tokenizer.encode(p) for p in prompts], [greedy(n) for n in limits])
 
-    async def one(aclient: AsyncOpenAI, prompt: str, limit: int):
-        pieces, finish = [], None
-        stream = await aclient.completions.create(model=path.name, prompt=prompt, max_tokens=limit, temperature=0, stream=True)
-        async for chunk in stream:
-            for choice in chunk.choices:
-                pieces.append(choice.text)
-                finish = choice.finish_reason or finish
-        return "".join(pieces), finish
-
-    async def all_of_them():
-        aclient = AsyncOpenAI(base_url=client.base_url + "/v1", api_key="x", max_retries=0, timeout=180)
-        try:
-            return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, limits)))
-        finally:
-            await aclient.close()
-
-    answers = asyncio.run(all_of_them())
+    requests_ = [dict(model=path.name, prompt=p, max_tokens=n, temperature=0) for p, n in zip(prompts, limits)]
+    answers = stream_concurrently(client, "completions", requests_)
     for i, ((text, finish), reference) in enumerate(zip(answers, expected)):
         what = f"concurrent client {i} of 40 (prompt {prompts[i]!r}, max_tokens {limits[i]})"
         assert (text, finish) == (reference.text, reference.finish_reason.type), (
