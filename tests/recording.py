@@ -1,5 +1,5 @@
 """A stand-in for the engine's model that records every forward pass it runs (shared by the
-stage 4-6 tests that check what the engine batches together, not only what it outputs)."""
+stage 4-7 tests that check what the engine batches together, not only what it outputs)."""
 
 from __future__ import annotations
 
