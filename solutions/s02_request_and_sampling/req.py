@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 import torch
 
@@ -28,9 +28,32 @@ from .sampling_params import SamplingParams
 FinishType = Literal["stop", "length", "abort"]
 
 
+def find_stop_str(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """The stop string that the last ``new_len`` characters of ``text`` completed, and where it
+    starts: ``(pos, stop)``, the earliest one when several did; None when none did.
+
+    A stop string that just appeared ends inside the new text, so it starts at most
+    (longest stop - 1) characters before it: searching only that window keeps each step O(1)
+    however long the text grows. (Stage 9's detokenizer runs the same search.)
+    """
+    # BEGIN EXERCISE: None without stop strings or new text; else search only the window text[start:], start = len(text) - new_len - (longest stop - 1) (at least 0); return (start + position, stop string) of the match that starts first, or None
+    if not stops or new_len == 0:
+        return None
+    start = max(0, len(text) - new_len - (max(map(len, stops)) - 1))
+    window = text[start:]
+    hits = [(window.find(stop), stop) for stop in stops if stop in window]
+    if not hits:
+        return None
+    pos, stop = min(hits, key=lambda hit: hit[0])
+    return start + pos, stop
+    # END EXERCISE
+
+
 @dataclass(frozen=True)
 class FinishReason:
-    type: FinishType  # "stop": a stop token/string or EOS matched; "length": max_new_tokens reached
+    # "stop": a stop token/string or EOS matched; "length": max_new_tokens reached;
+    # "abort": ended from outside (Req.abort: the client left, or the request cannot be served)
+    type: FinishType
     matched: int | str | None = None  # the token id or stop string that matched ("stop" only)
 
     def __str__(self) -> str:
@@ -109,7 +132,7 @@ class Req:
         """
         if self.finished or not self.output_ids:
             return
-        # BEGIN EXERCISE: check stop tokens / EOS, then stop strings (search only the new tail), then max_new_tokens
+        # BEGIN EXERCISE: check stop tokens / EOS, then stop strings (step self._detokenizer, then find_stop_str on its new text), then max_new_tokens
         params = self.sampling_params
         last = self.output_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
@@ -118,18 +141,11 @@ class Req:
 
         if params.stop:
             new_text = self._detokenizer.step(self.output_ids)
-            if new_text:
-                # A stop string that just appeared ends inside new_text, so it starts at most
-                # (longest stop - 1) characters before it: search only that window, O(1) per step.
-                text = self._detokenizer.text
-                start = max(0, len(text) - len(new_text) - (params.stop_str_max_len - 1))
-                window = text[start:]
-                hits = [(window.find(s), s) for s in params.stop if s in window]
-                if hits:
-                    pos, stop_str = min(hits, key=lambda hit: hit[0])  # the earliest one wins
-                    self._stop_str_pos = start + pos
-                    self.finished_reason = FinishReason("stop", matched=stop_str)
-                    return
+            hit = find_stop_str(self._detokenizer.text, len(new_text), params.stop)
+            if hit is not None:
+                self._stop_str_pos, stop_str = hit
+                self.finished_reason = FinishReason("stop", matched=stop_str)
+                return
 
         if len(self.output_ids) >= params.max_new_tokens:
             self.finished_reason = FinishReason("length")

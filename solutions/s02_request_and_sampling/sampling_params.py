@@ -78,11 +78,6 @@ class SamplingParams:
         """True when only the most likely token can ever be picked: no randomness at all."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    @property
-    def stop_str_max_len(self) -> int:
-        """The longest stop string: how far back a newly finished stop string can start."""
-        return max((len(s) for s in self.stop), default=0)
-
 
 def _real(name: str, value) -> float:
     # bool is an int in Python; temperature=True is a bug in the caller, not 1.0.

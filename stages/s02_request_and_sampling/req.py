@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 import torch
 
@@ -28,9 +28,22 @@ from .sampling_params import SamplingParams
 FinishType = Literal["stop", "length", "abort"]
 
 
+def find_stop_str(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """The stop string that the last ``new_len`` characters of ``text`` completed, and where it
+    starts: ``(pos, stop)``, the earliest one when several did; None when none did.
+
+    A stop string that just appeared ends inside the new text, so it starts at most
+    (longest stop - 1) characters before it: searching only that window keeps each step O(1)
+    however long the text grows. (Stage 9's detokenizer runs the same search.)
+    """
+    raise NotImplementedError("Stage 2: None without stop strings or new text; else search only the window text[start:], start = len(text) - new_len - (longest stop - 1) (at least 0); return (start + position, stop string) of the match that starts first, or None - see stages/s02_request_and_sampling/README.md")
+
+
 @dataclass(frozen=True)
 class FinishReason:
-    type: FinishType  # "stop": a stop token/string or EOS matched; "length": max_new_tokens reached
+    # "stop": a stop token/string or EOS matched; "length": max_new_tokens reached;
+    # "abort": ended from outside (Req.abort: the client left, or the request cannot be served)
+    type: FinishType
     matched: int | str | None = None  # the token id or stop string that matched ("stop" only)
 
     def __str__(self) -> str:
@@ -109,7 +122,7 @@ class Req:
         """
         if self.finished or not self.output_ids:
             return
-        raise NotImplementedError("Stage 2: check stop tokens / EOS, then stop strings (search only the new tail), then max_new_tokens - see stages/s02_request_and_sampling/README.md")
+        raise NotImplementedError("Stage 2: check stop tokens / EOS, then stop strings (step self._detokenizer, then find_stop_str on its new text), then max_new_tokens - see stages/s02_request_and_sampling/README.md")
 
     def abort(self) -> None:
         """End the request from outside (a client went away, a prompt too long to serve)."""

@@ -27,10 +27,9 @@ import zmq
 
 from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.detokenizer import Decoder, IncrementalDetokenizer
-from s02_request_and_sampling.req import FinishReason
+from s02_request_and_sampling.req import FinishReason, find_stop_str
 
 from .io_struct import BatchStrOut, BatchTokenIDOut
-
 
 
 def stop_hold_back(text: str, stops: list[str]) -> int:
@@ -45,7 +44,6 @@ class DecodeStatus:
     def __init__(self, tokenizer: Decoder, stops: list[str]):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = list(stops)
-        self.stop_str_max_len = max((len(s) for s in self.stops), default=0)
         self.output_ids: list[int] = []
         self.sent = 0  # characters of the final text already sent to the client
         self.stop_pos: int | None = None  # where the first complete stop string starts in the released text
@@ -55,7 +53,7 @@ class DecodeStatus:
         the text the client may see now. Joined, the returned pieces are the request's final
         text: the released text, cut before a matched stop string (and a matched stop token /
         EOS is not text), with every other tail sent once the request is over."""
-        raise NotImplementedError("Stage 9: append new_ids; if the request ended on a stop token / EOS (finish_reason.matched is an int) the final text is self.detokenizer.flush(ids without that last token); otherwise step the detokenizer, and search its new text for a stop string (as Req.check_finished does: the earliest match wins, remember its start in self.stop_pos); once finished the final text is text[:stop_pos] after a stop string, else flush(all ids); while running, send up to stop_pos, or up to the end minus stop_hold_back(...); return only what was not sent yet - see stages/s09_zmq_serving/README.md")
+        raise NotImplementedError("Stage 9: append new_ids; if the request ended on a stop token / EOS (finish_reason.matched is an int) the final text is self.detokenizer.flush(ids without that last token); otherwise step the detokenizer, and search its new text for a stop string (stage 2's find_stop_str; remember where it starts in self.stop_pos); once finished the final text is text[:stop_pos] after a stop string, else flush(all ids); while running, send up to stop_pos, or up to the end minus stop_hold_back(...); return only what was not sent yet - see stages/s09_zmq_serving/README.md")
 
     def _send_until(self, text: str, end: int) -> str:
         """The part of ``text[:end]`` not sent yet (marked as sent)."""

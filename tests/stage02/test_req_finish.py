@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from s02_request_and_sampling.req import FinishReason, Req
+from s02_request_and_sampling.req import FinishReason, Req, find_stop_str
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 EOS = 257  # <|im_end|> in the tiny models' tokenizer
@@ -138,6 +138,22 @@ def test_text_without_a_stop_keeps_multibyte_characters_whole(tokenizer):
     ids = utf8(text)
     req = make_req(tokenizer, stop="zzz", max_new_tokens=len(ids))
     expect_stop(req, ids, text, len(ids) - 1, FinishReason("length"), text)
+
+
+@pytest.mark.parametrize(
+    "text, new_len, stops, expected, why",
+    [
+        ("hello world", 2, ["world"], (6, "world"), "'ld' completes 'world', which began in earlier text"),
+        ("abc STOP xyz", 3, ["STOP"], None, "'STOP' was complete before the new text 'xyz': it is not a new match"),
+        ("a b c xyz", 1, ["xyz", "b c", "c xyz"], (4, "c xyz"), "of the matches the new 'z' completes, 'c xyz' starts first"),
+        ("no stop here", 4, ["zzz"], None, "no stop string at all"),
+        ("ends END", 0, ["END"], None, "no new text (a token that completed no character yet)"),
+        ("x", 1, [], None, "no stop strings"),
+    ],
+)
+def test_find_stop_str_searches_what_the_new_text_completed(text, new_len, stops, expected, why):
+    got = find_stop_str(text, new_len, stops)
+    assert got == expected, f"find_stop_str({text!r}, new_len={new_len}, {stops}) returned {got!r}, expected {expected!r}: {why}"
 
 
 class CountingTokenizer:
