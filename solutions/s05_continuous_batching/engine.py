@@ -28,7 +28,7 @@ from s00_foundation.loader import load_model
 from s00_foundation.model import CausalLM
 from s00_foundation.paths import default_model_path
 from s00_foundation.tokenizer import Tokenizer
-from s02_request_and_sampling.engine import GenerateOutput, PromptInput, encode
+from s02_request_and_sampling.engine import GenerateOutput, PromptInput, encode, make_output, pair_prompts_with_params
 from s02_request_and_sampling.req import FinishReason, Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -67,12 +67,7 @@ def default_pool_size(model: CausalLM, page_size: int) -> int:
 def request_output(req: Req) -> RequestOutput:
     times = req.time_stats
     return RequestOutput(
-        text=req.output_text if req.tokenizer is not None else "",
-        output_ids=list(req.output_ids),
-        finish_reason=req.finished_reason,
-        prompt_tokens=len(req.origin_input_ids),
-        output_tokens=len(req.output_ids),
-        seed=req.seed,
+        **vars(make_output(req)),
         ttft=None if times.first_token is None else times.first_token - times.arrival,
         latency=None if times.finished is None else times.finished - times.arrival,
     )
@@ -181,16 +176,8 @@ class Engine:
         """
         if self.has_work:
             raise RuntimeError("generate() needs an idle engine, but requests added with add_request are still in flight")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt")
         entries: list[Req | RequestOutput] = []  # in the prompts' order, whatever order they finish in
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params in pair_prompts_with_params(prompts, sampling_params):
             req = None
             try:
                 req = self.make_req(prompt, params)

@@ -26,17 +26,12 @@ PromptInput = Union[str, Messages, Sequence[int]]
 
 @dataclass
 class GenerateOutput:
-    text: str  # trimmed before the stop string / stop token that ended it
+    text: str  # trimmed before the stop string / stop token that ended it ("" without a tokenizer)
     output_ids: list[int]  # every generated token, including a matched stop token / EOS
     finish_reason: FinishReason
     prompt_tokens: int
     output_tokens: int
     seed: int  # pass it back in SamplingParams(seed=...) to get this exact output again
-
-    @property
-    def matched_stop(self) -> int | str | None:
-        """The stop token id or stop string that ended the request (None for "length")."""
-        return self.finish_reason.matched
 
 
 def encode(tokenizer: Tokenizer, prompt: PromptInput) -> list[int]:
@@ -53,14 +48,13 @@ def encode(tokenizer: Tokenizer, prompt: PromptInput) -> list[int]:
     )
 
 
-def make_reqs(
-    tokenizer: Tokenizer,
+def pair_prompts_with_params(
     prompts: PromptInput | Sequence[PromptInput],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-) -> list[Req]:
-    """One ``Req`` per prompt (rid = its index). ``prompts`` is a list of prompts (a single
-    string is accepted as a list of one); ``sampling_params`` is one SamplingParams for all of
-    them or one per prompt."""
+) -> list[tuple[PromptInput, SamplingParams]]:
+    """Each prompt with its SamplingParams. ``prompts`` is a list of prompts (a single string is
+    accepted as a list of one); ``sampling_params`` is one SamplingParams for all of them (None:
+    the defaults) or one per prompt."""
     if isinstance(prompts, str):
         prompts = [prompts]
     prompts = list(prompts)
@@ -71,15 +65,25 @@ def make_reqs(
     sampling_params = list(sampling_params)
     if len(sampling_params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt")
+    return list(zip(prompts, sampling_params))
+
+
+def make_reqs(
+    tokenizer: Tokenizer,
+    prompts: PromptInput | Sequence[PromptInput],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+) -> list[Req]:
+    """One ``Req`` per prompt (rid = its index), paired with its SamplingParams as
+    ``pair_prompts_with_params`` says."""
     return [
         Req(rid=i, origin_input_ids=encode(tokenizer, prompt), sampling_params=params, tokenizer=tokenizer)
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params))
+        for i, (prompt, params) in enumerate(pair_prompts_with_params(prompts, sampling_params))
     ]
 
 
 def make_output(req: Req) -> GenerateOutput:
     return GenerateOutput(
-        text=req.output_text,
+        text=req.output_text if req.tokenizer is not None else "",
         output_ids=list(req.output_ids),
         finish_reason=req.finished_reason,
         prompt_tokens=len(req.origin_input_ids),
