@@ -167,7 +167,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
     """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
     it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
     (param = the API's field name) for a value that cannot be served."""
-    # BEGIN EXERCISE: pick max_tokens (or max_completion_tokens: both given and different is an error), check max_tokens >= 1, temperature >= 0 (0 is greedy), top_p in (0, 1], then build SamplingParams from the fields (None -> SamplingParams' default); turn its ValueError into InvalidRequest
+    # BEGIN EXERCISE: pick max_tokens (or max_completion_tokens: both given and different is an error), check max_tokens >= 1, then build SamplingParams from the fields (None -> SamplingParams' default): it checks the rest; turn its ValueError into InvalidRequest naming the field its message starts with
     max_tokens = request.max_tokens
     other = getattr(request, "max_completion_tokens", None)
     if other is not None:
@@ -177,10 +177,6 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
         max_tokens = other
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    if request.temperature is not None and request.temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0 (0 means greedy), got {request.temperature}", param="temperature")
-    if request.top_p is not None and not 0 < request.top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {request.top_p}", param="top_p")
     given = {
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
         "min_p": request.min_p, "seed": request.seed, "stop": request.stop,
@@ -191,7 +187,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
             ignore_eos=request.ignore_eos,
             **{name: value for name, value in given.items() if value is not None},
         )
-    except ValueError as error:
+    except ValueError as error:  # SamplingParams' messages start with the field's name
         param = next((name for name in given if str(error).startswith(name)), None)
         raise InvalidRequest(str(error), param=param) from None
     return params, max_tokens is None
