@@ -62,8 +62,10 @@ def run_continuous(engine_class, model, tokenizer, prompts: Prompts, output_len:
     lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lens]
     # By default the pool holds every request at its longest, as stage 4's does: --pool-size smaller forces retractions.
+    from s04_paged_kv_pool.allocator import pages_for
+
     p = args.page_size
-    pool_size = args.pool_size or sum(-(-(len(ids) + n - 1) // p) * p for ids, n in zip(prompts, lens))
+    pool_size = args.pool_size or sum(pages_for(len(ids) + n - 1, p) * p for ids, n in zip(prompts, lens))
     engine = engine_class(model, tokenizer, pool_size=pool_size, page_size=p,
                           max_running_requests=args.max_running_requests or len(prompts),
                           max_prefill_tokens=args.max_prefill_tokens, **knobs)

@@ -94,10 +94,6 @@ class TokenToKVPoolAllocator:
         return torch.tensor(out_cache_loc, dtype=torch.int64, device=self.device)
         # END EXERCISE
 
-    def alloc_decode(self, seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
-        """One slot per request for its newest position seq_lens[i] - 1."""
-        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
-
     def free(self, slots: torch.Tensor) -> None:
         """Give back the pages that ``slots`` lie in (a finished request's slots: whole pages).
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .allocator import pages_for
 from .paged_backend import ForwardMetadata, PagedAttentionBackend
 
 try:
@@ -52,7 +53,7 @@ class FlashAttentionBackend(PagedAttentionBackend):
             # Position j of a request sits at offset j % p of the page holding its position
             # j - j % p; the slot of every page's first position, divided by p, is the page id.
             # Entries past a request's length are stale but never read (cu_seqlens_k bounds them).
-            num_pages = -(-self.max_seq_len // p)
+            num_pages = pages_for(self.max_seq_len, p)
             rows = batch.req_pool_indices
             self.block_table = (self.req_to_token_pool.req_to_token[rows, : num_pages * p : p] // p).to(torch.int32)
 

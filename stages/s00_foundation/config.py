@@ -37,7 +37,6 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # {"rope_type": ..., ...}
     eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str | None = None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one token's K and V occupy across all layers: 2 x layers x kv_heads x head_dim x itemsize."""
@@ -80,7 +79,6 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             eos_token_ids=eos_ids,
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
     @classmethod

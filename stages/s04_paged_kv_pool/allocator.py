@@ -82,10 +82,6 @@ class TokenToKVPoolAllocator:
             )
         raise NotImplementedError("Stage 4: take the fresh pages all requests need (self._take_pages), then give each request the slots of positions [prefix, seq): position j goes to offset j % page_size of the request's (j // page_size)-th page, which is last_loc's page while that one has room - see stages/s04_paged_kv_pool/README.md")
 
-    def alloc_decode(self, seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
-        """One slot per request for its newest position seq_lens[i] - 1."""
-        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
-
     def free(self, slots: torch.Tensor) -> None:
         """Give back the pages that ``slots`` lie in (a finished request's slots: whole pages).
 

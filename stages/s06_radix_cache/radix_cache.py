@@ -57,11 +57,9 @@ class TreeNode:
 
 
 class RadixCache:
-    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int | None = None):
+    def __init__(self, allocator: TokenToKVPoolAllocator):
         self.allocator = allocator
-        self.page_size = page_size or allocator.page_size
-        if self.page_size != allocator.page_size:
-            raise ValueError(f"the cache works in pages of the allocator ({allocator.page_size} slots), got page_size={page_size}")
+        self.page_size = allocator.page_size  # the tree matches and stores whole pages of the allocator
         self.device = allocator.device
         self._clock = itertools.count(1)  # a logical clock: deterministic LRU order, unlike wall time
         self._node_ids = itertools.count()

@@ -72,7 +72,6 @@ def reserve_dummy_row(pool: ReqToTokenPool) -> int:
 
 class CudaGraphRunner:
     def __init__(self, model_runner: "ModelRunner", max_bs: int, dummy_req_pool_idx: int):
-        self.model_runner = model_runner
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from s00_foundation.forward_batch import ForwardBatch
-from s04_paged_kv_pool.flash_backend import FlashAttentionBackend
+from s04_paged_kv_pool.allocator import pages_for
+from s04_paged_kv_pool.flash_backend import BLOCK_TABLE_PAGE_MULTIPLE, FlashAttentionBackend
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend
 
 try:
@@ -112,19 +113,19 @@ class GraphFlashAttentionBackend(GraphAttentionBackend, FlashAttentionBackend):
         if flash_attn_with_kvcache is None:
             raise RuntimeError('flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend')
         super().__init__(req_to_token_pool, token_to_kv_pool)
-        self.paged = token_to_kv_pool.page_size % 256 == 0
+        self.paged = token_to_kv_pool.page_size % BLOCK_TABLE_PAGE_MULTIPLE == 0
         self.bucket_block_tables: dict[tuple[int, int], torch.Tensor] = {}
 
     def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
         super().init_cuda_graph_state(max_bs, max_kv_len)
         p = self.token_to_kv_pool.page_size
         device = self.req_to_token_pool.req_to_token.device
-        self.cuda_graph_block_table = torch.zeros((max_bs, -(-max_kv_len // p)), dtype=torch.int32, device=device)
+        self.cuda_graph_block_table = torch.zeros((max_bs, pages_for(max_kv_len, p)), dtype=torch.int32, device=device)
 
     def init_forward_metadata_capture_cuda_graph(self, bs, kv_len, batch, seq_lens) -> None:
         super().init_forward_metadata_capture_cuda_graph(bs, kv_len, batch, seq_lens)
         p = self.token_to_kv_pool.page_size
-        self.bucket_block_tables[bs, kv_len] = self.cuda_graph_block_table[:bs, : -(-kv_len // p)]
+        self.bucket_block_tables[bs, kv_len] = self.cuda_graph_block_table[:bs, : pages_for(kv_len, p)]
 
     def init_forward_metadata_replay_cuda_graph(self, bs, kv_len, req_pool_indices, seq_lens) -> None:
         super().init_forward_metadata_replay_cuda_graph(bs, kv_len, req_pool_indices, seq_lens)
