@@ -192,7 +192,7 @@ def print_table(rows: list[dict], offline: dict | None) -> None:
               f"{offline['throughput_tok_s']:>7.1f}")
 
 
-def cpu_defaults(device: torch.device) -> dict:
+def workload_defaults(device: torch.device) -> dict:
     """A workload that takes about a minute on a 2-core CPU; bigger on a GPU."""
     if device.type == "cuda":
         return dict(num_requests=256, input_len=512, output_len=256, rates="4,16,64,inf")
@@ -201,7 +201,7 @@ def cpu_defaults(device: torch.device) -> dict:
 
 def main() -> int:
     device = default_device()
-    defaults = cpu_defaults(device)
+    defaults = workload_defaults(device)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--url", default=None, help="benchmark this running server instead of starting one (no offline run)")
@@ -211,12 +211,13 @@ def main() -> int:
     parser.add_argument("--range-ratio", type=float, default=0.5)
     parser.add_argument("--rates", default=defaults["rates"], help="comma-separated request rates (req/s); inf = all at once")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--server-args", default="", help="more flags for the server, e.g. '--max-running-requests 32'")
+    parser.add_argument("--server-args", default="", help="more flags for the server (the offline run gets the same engine knobs), e.g. '--max-running-requests 32'")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
     from s00_foundation.tokenizer import Tokenizer
+    from s09_zmq_serving.server_args import add_cli_args, from_cli_args
     from s09_zmq_serving.server_process import ServerProcess
 
     model_path = str(args.model or default_model_path())
@@ -227,16 +228,19 @@ def main() -> int:
     print(f"model: {model_path}   device: {describe(device)}   torch threads: {torch.get_num_threads()}")
     print(f"{len(requests)} requests, input {args.range_ratio:g}x..1x of {args.input_len} tokens, output "
           f"{args.range_ratio:g}x..1x of {args.output_len} tokens (EOS ignored, greedy); rates {rates}\n")
-    server_flags = ["--disable-radix-cache", *args.server_args.split()]
+    server_flags = ["--model", model_path, "--disable-radix-cache", *args.server_args.split()]
     offline = None
     if args.url is None:
+        # The offline engine gets exactly the server's engine knobs, parsed by the server's own parser.
+        server_parser = argparse.ArgumentParser()
+        add_cli_args(server_parser)
+        knobs = from_cli_args(server_parser.parse_args(server_flags)).engine_knobs
         print("offline engine on the same requests ...", flush=True)
-        knobs = {"enable_radix_cache": False}
         offline = offline_throughput(model_path, requests, knobs)
         print(f"offline: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
               f"{offline['throughput_tok_s']:.1f} tok/s\n", flush=True)
     rows = []
-    server = None if args.url else ServerProcess(["--model", model_path, *server_flags])
+    server = None if args.url else ServerProcess(server_flags)
     try:
         if server is not None:
             server.wait_ready()

@@ -12,22 +12,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (flag, Engine keyword, type, default, help). A default of None leaves the engine's own default.
+# (flag, Engine keyword, type, help). A flag left out leaves the engine's own default.
 # Type "disable": the flag sets the keyword to False; "flag": the flag sets it to True.
-ENGINE_KNOBS: list[tuple[str, str, Any, Any, str]] = [
-    ("--pool-size", "pool_size", int, None, "KV slots (default: the engine's default)"),
-    ("--page-size", "page_size", int, None, "tokens per KV page"),
-    ("--max-running-requests", "max_running_requests", int, None, "most requests in one forward pass"),
-    ("--max-prefill-tokens", "max_prefill_tokens", int, None, "prompt tokens admitted per step"),
-    ("--new-token-ratio", "new_token_ratio", float, None, "share of max_new_tokens admission keeps free"),
-    ("--attention-backend", "attention_backend", str, None, "auto, torch or flash"),
-    ("--schedule-policy", "schedule_policy", str, None, "lpm or fcfs"),
-    ("--disable-radix-cache", "enable_radix_cache", "disable", None, "compute every prompt in full"),
-    ("--chunked-prefill-size", "chunked_prefill_size", int, None, "prompt tokens per step; longer prompts are chunked (stage 7)"),
-    ("--cuda-graph-max-bs", "cuda_graph_max_bs", int, None, "largest decode batch replayed from a CUDA graph (stage 8)"),
-    ("--disable-cuda-graph", "disable_cuda_graph", "flag", None, "run every decode eagerly (stage 8; by default graphs run on CUDA only)"),
-    ("--device", "device", str, None, "cpu or cuda (default: cuda when there is one)"),
-    ("--dtype", "dtype", "dtype", None, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
+ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
+    ("--pool-size", "pool_size", int, "KV slots (default: the engine's default)"),
+    ("--page-size", "page_size", int, "tokens per KV page"),
+    ("--max-running-requests", "max_running_requests", int, "most requests in one forward pass"),
+    ("--max-prefill-tokens", "max_prefill_tokens", int, "prompt tokens admitted per step"),
+    ("--new-token-ratio", "new_token_ratio", float, "share of max_new_tokens admission keeps free"),
+    ("--attention-backend", "attention_backend", str, "auto, torch or flash"),
+    ("--schedule-policy", "schedule_policy", str, "lpm or fcfs"),
+    ("--disable-radix-cache", "enable_radix_cache", "disable", "compute every prompt in full"),
+    ("--chunked-prefill-size", "chunked_prefill_size", int, "prompt tokens per step; longer prompts are chunked (stage 7)"),
+    ("--cuda-graph-max-bs", "cuda_graph_max_bs", int, "largest decode batch replayed from a CUDA graph (stage 8)"),
+    ("--disable-cuda-graph", "disable_cuda_graph", "flag", "run every decode eagerly (stage 8; by default graphs run on CUDA only)"),
+    ("--device", "device", str, "cpu or cuda (default: cuda when there is one)"),
+    ("--dtype", "dtype", "dtype", "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
 ]
 
 
@@ -54,18 +54,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's name)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (info prints every HTTP request)")
-    for flag, _, kind, default, help_text in ENGINE_KNOBS:
+    for flag, _, kind, help_text in ENGINE_KNOBS:
         if kind in ("disable", "flag"):
             parser.add_argument(flag, action="store_true", help=help_text)
         else:
-            parser.add_argument(flag, type=str if kind == "dtype" else kind, default=default, help=help_text)
+            parser.add_argument(flag, type=str if kind == "dtype" else kind, default=None, help=help_text)
 
 
 def from_cli_args(args: argparse.Namespace) -> ServerArgs:
     from s00_foundation.paths import default_model_path
 
     knobs: dict[str, Any] = {}
-    for flag, keyword, kind, _, _ in ENGINE_KNOBS:
+    for flag, keyword, kind, _ in ENGINE_KNOBS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if kind in ("disable", "flag"):
             if value:
