@@ -10,7 +10,7 @@ handler of the request reads its own queue::
 
     handler ──GenerateReqInput──▶ tokenizer ─▶ scheduler ─▶ detokenizer ──BatchStrOut──▶ reader task
        ▲                                                                                    │
-       └──────────────────── queues[rid] (RequestOutput pieces) ◀──────────────────────────┘
+       └──────────────────── queues[rid] (OutputPiece items) ◀──────────────────────────────┘
 
 Streaming answers are Server-Sent Events: one ``data: {json chunk}`` line (and a blank line)
 per piece, then ``data: [DONE]``. A client that goes away (the connection closes) has its
@@ -47,7 +47,7 @@ CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left
 
 
 @dataclass
-class RequestOutput:
+class OutputPiece:
     """One piece of one request's answer, as its handler reads it from its queue."""
 
     text: str
@@ -90,7 +90,7 @@ class EngineClient:
                     finish = message.finish_reasons[i]
                     queue = self.queues.pop(rid, None) if finish is not None else self.queues.get(rid)
                     if queue is not None:
-                        queue.put_nowait(RequestOutput(message.texts[i], finish, message.prompt_tokens[i],
+                        queue.put_nowait(OutputPiece(message.texts[i], finish, message.prompt_tokens[i],
                                                        message.completion_tokens[i]))
             elif isinstance(message, (ErrorOut, DebugStateOut)):
                 queue = self.queues.pop(message.rid, None)
@@ -131,7 +131,7 @@ class EngineClient:
         finally:
             getter.cancel()
 
-    async def outputs(self, rid: str, queue: asyncio.Queue, first, request: Request | None) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, rid: str, queue: asyncio.Queue, first, request: Request | None) -> AsyncIterator[OutputPiece]:
         """A request's answer, piece by piece (starting with ``first``), until it is finished.
         A worker error after the start raises InvalidRequest."""
         item = first
@@ -149,7 +149,7 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_chunks(outputs: AsyncIterator[RequestOutput], make_chunk: Callable[..., dict],
+async def stream_chunks(outputs: AsyncIterator[OutputPiece], make_chunk: Callable[..., dict],
                         include_usage: bool) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer. ``make_chunk(text, finish_reason, usage)`` builds one
     chunk: ``text=None`` is the usage-only chunk, ``text=""`` with a finish reason the last one."""
