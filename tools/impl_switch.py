@@ -36,6 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SWITCH_SITE = Path(__file__).resolve().parent / "switch_site"
+SWITCH_VARS = ("ENGINE_IMPL", "ENGINE_REFERENCE_UPTO", "ENGINE_STAGES_DIR", "ENGINE_SOLUTIONS_DIR")  # the settings read below
 IMPLS = {"solutions": "the reference code (default)", "stages": "your code in stages/"}
 STAGE_PACKAGE = re.compile(r"s(\d\d)_\w+")
 

@@ -15,8 +15,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from impl_switch import SWITCH_VARS
+
 REPO = Path(__file__).resolve().parent.parent
-SWITCH_VARS = ("ENGINE_IMPL", "ENGINE_REFERENCE_UPTO", "ENGINE_STAGES_DIR", "ENGINE_SOLUTIONS_DIR")
 RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}  # a test's worst phase decides
 
 

@@ -4,6 +4,7 @@ and the notebook start it with ``ServerProcess``, wait until /health answers, an
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -51,10 +52,14 @@ class ServerProcess:
                 time.sleep(0.2)
         raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s")
 
-    def stop(self, timeout: float = 20) -> int:
-        """SIGTERM, then wait (SIGKILL after ``timeout``); returns its exit code."""
+    def stop(self, sig: int = signal.SIGTERM, group: bool = False, timeout: float = 20) -> int:
+        """Send ``sig`` (to its whole process group with ``group``, as a terminal's Ctrl-C does;
+        needs ``new_session``), then wait (SIGKILL after ``timeout``); returns its exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

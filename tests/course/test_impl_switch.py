@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from impl_switch import SWITCH_VARS
+
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = REPO / "tools"
-SWITCH_VARS = ("ENGINE_IMPL", "ENGINE_REFERENCE_UPTO", "ENGINE_STAGES_DIR", "ENGINE_SOLUTIONS_DIR")
 
 REPORT = f"""
 import json, sys

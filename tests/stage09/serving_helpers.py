@@ -27,8 +27,8 @@ class Server:
 
     def __init__(self, model: Path, args: list[str], new_session: bool = False):
         self.model = model
-        self.log_path = Path(tempfile.mkstemp(prefix="s09-server-", suffix=".log")[1])
-        self.log = self.log_path.open("w")
+        fd, name = tempfile.mkstemp(prefix="s09-server-", suffix=".log")
+        self.log_path, self.log = Path(name), os.fdopen(fd, "w")
         self.process = ServerProcess(["--model", str(model), *args], log=self.log, new_session=new_session)
         self.base_url = self.process.base_url
         try:
@@ -58,19 +58,9 @@ class Server:
         return answer.json()
 
     def stop(self, sig: int = signal.SIGTERM, group: bool = False, timeout: float = 30) -> int:
-        proc = self.process.proc
-        if proc.poll() is None:
-            if group:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except Exception:
-                proc.kill()
-                proc.wait()
+        code = self.process.stop(sig, group, timeout)
         self.log.close()
-        return proc.returncode
+        return code
 
 
 def pid_running(pid: int) -> bool:
