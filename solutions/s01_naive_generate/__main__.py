@@ -5,25 +5,20 @@ from __future__ import annotations
 import argparse
 import time
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
-from s00_foundation.tokenizer import Tokenizer
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 
 from .generate import naive_generate
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+    path, device, model, tokenizer = load_from_args(args)
     prompt_ids = tokenizer.encode_prompt(args.prompt)
 
     start = time.perf_counter()

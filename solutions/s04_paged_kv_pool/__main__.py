@@ -13,10 +13,8 @@ import time
 
 import torch
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
-from s00_foundation.tokenizer import Tokenizer
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 from s02_request_and_sampling.engine import make_output, make_reqs
 from s02_request_and_sampling.sampling_params import SamplingParams
 
@@ -41,16 +39,13 @@ def draw(owner: torch.Tensor, width: int = 96) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--pool-size", type=int, default=None, help="KV slots (default: exactly what the batch needs)")
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+    path, device, model, tokenizer = load_from_args(args)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     reqs = make_reqs(tokenizer, PROMPTS, params)
     pool_size = args.pool_size or slots_needed(reqs, args.page_size)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
-from s00_foundation.tokenizer import Tokenizer
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 from s04_paged_kv_pool.__main__ import PROMPTS
@@ -37,19 +35,16 @@ MAX_NEW_TOKENS = [12, 24, 48, 64]  # cycled over the questions: mixed output len
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--max-running-requests", type=int, default=8)
     parser.add_argument("--max-prefill-tokens", type=int, default=256)
     parser.add_argument("--pool-size", type=int, default=None, help="KV slots (default: the engine's default)")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--new-token-ratio", type=float, default=0.5)
     parser.add_argument("--trace", action="store_true", help="print one line per scheduler step")
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+    path, device, model, tokenizer = load_from_args(args)
     engine = Engine(
         model, tokenizer, pool_size=args.pool_size, page_size=args.page_size,
         max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,

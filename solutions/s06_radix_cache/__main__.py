@@ -13,10 +13,8 @@ import time
 
 import torch
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
-from s00_foundation.tokenizer import Tokenizer
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.__main__ import QUESTIONS
 
@@ -50,19 +48,16 @@ def run(engine: Engine, prompts, params, draw_mid_run: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--num-requests", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-running-requests", type=int, default=8)
     parser.add_argument("--pool-size", type=int, default=None, help="KV slots (default: the engine's default)")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+    path, device, model, tokenizer = load_from_args(args)
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.num_requests)]
     prompts = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.__main__ import QUESTIONS
@@ -86,16 +85,13 @@ def long_prompt_arrives(engine: Engine, streams, long_prompt, stream_params, lon
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--long-tokens", type=int, default=1500, help="length of the long prompt")
     parser.add_argument("--budgets", default="none,512,128,32", help="chunked_prefill_size values to compare ('none': no chunking)")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens each streaming request generates")
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+    path, device, model, tokenizer = load_from_args(args)
     streams = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
     document = long_document(tokenizer, args.long_tokens)
     stream_params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True)

@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import argparse
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 
 from .decode_latency import decode_step_latency
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1..64 on a GPU, 1,2,4,8 on a CPU)")
     parser.add_argument("--context-len", type=int, default=128, help="tokens in context per request")
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (the median is shown)")
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model = load_model(path, device=device)
+    path, device, model, _ = load_from_args(args)
     on_gpu = model.device.type == "cuda"
     default_sizes = "1,2,4,8,16,32,64" if on_gpu else "1,2,4,8"
     sizes = [int(s) for s in (args.batch_sizes or default_sizes).split(",")]

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from s00_foundation.device import default_device, describe
-from s00_foundation.loader import load_model
-from s00_foundation.paths import default_model_path
-from s00_foundation.tokenizer import Tokenizer
+from s00_foundation.device import describe
+from s00_foundation.milestone import add_model_args, load_from_args
 
 from .engine import generate
 from .sampling_params import SamplingParams
@@ -16,19 +14,16 @@ from .sampling_params import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
+    add_model_args(parser)
     parser.add_argument("--prompt", default="Write one sentence about a cat who learns to fly.")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--temperature", type=float, default=0.9)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--min-p", type=float, default=0.05)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--device", default=None)
     args = parser.parse_args()
 
-    path = args.model or default_model_path()
-    device = args.device or default_device()
-    model, tokenizer = load_model(path, device=device), Tokenizer(path)
+    path, device, model, tokenizer = load_from_args(args)
 
     def sampled(seed: int) -> SamplingParams:
         return SamplingParams(
