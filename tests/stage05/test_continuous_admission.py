@@ -1,6 +1,6 @@
-"""Stage 5 (graded): admission - first come first served, within the prefill token budget and
-the request rows - and what the offline API returns: outputs in input order, per-request stats,
-and a trace line per step."""
+"""Stage 5 (graded): admission - first come first served, within the prefill token budget, the
+request rows and the pool's room (a request's own cached prefix is not room) - and what the
+offline API returns: outputs in input order, per-request stats, and a trace line per step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import re
 
 from continuous_helpers import assert_pool_free, greedy, run_to_end, tiny_engine, workload
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
+from s02_request_and_sampling.req import Req
+from s04_paged_kv_pool.model_runner import ModelRunner
 from s05_continuous_batching.engine import Engine
+from s05_continuous_batching.prefix_cache import PrefixMatch
+from s05_continuous_batching.scheduler import Scheduler
 
 
 def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_root):
@@ -113,3 +117,55 @@ def test_trace_prints_one_line_per_step(tiny_models_root, capsys):
     assert last[3:] == [0, 0, 256, 256], f"after the last step nothing runs or waits and all 256 slots are free: {lines[-1]!r}"
     admitted = sum(int(m.group(1)) for m in parsed)
     assert admitted == len(prompts), f"the lines' prefill counts add up to {admitted} admissions for {len(prompts)} requests"
+
+
+class OnePrefixCache:
+    """A stand-in prefix cache holding the K/V of one prefix, in slots it owns and no request
+    uses: room admission may count (evictable) - except for a request that reads those very
+    slots, which locks them (stage 6's radix tree behaves the same way)."""
+
+    def __init__(self, allocator, prefix: list[int]):
+        self.prefix = prefix
+        self.slots = allocator.alloc_extend([0], [len(prefix)], [0])
+        self.locks = 0
+
+    def match_prefix(self, token_ids):
+        if list(token_ids[: len(self.prefix)]) == self.prefix:
+            return PrefixMatch(len(self.prefix), self.slots, node="the prefix")
+        return PrefixMatch(0, self.slots[:0])
+
+    def lock(self, match):
+        self.locks += match.node is not None
+
+    def unlock(self, match):
+        self.locks -= match.node is not None
+
+    def evictable_size(self) -> int:
+        return 0 if self.locks else len(self.prefix)
+
+
+def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_models_root):
+    # Pool of 80 slots; the cache holds a 16-token prefix (free: 64, evictable: 16).
+    # Request 0 (8 tokens, nothing cached) is admitted first. Request 1 is that prefix plus 60
+    # new tokens: it needs 60 fresh slots. The room is 64 free - 8 kept for request 0 = 56, plus
+    # the 16 evictable slots only if request 1 itself did not read them. It does: it must wait.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=80, max_running_requests=4, max_context_len=128)
+    prefix = list(range(40, 56))
+    cache = OnePrefixCache(runner.allocator, prefix)
+    scheduler = Scheduler(runner, prefix_cache=cache, new_token_ratio=0.0)
+    first = Req(0, list(b"no match"), greedy(2))
+    second = Req(1, prefix + [60 + i % 40 for i in range(60)], greedy(1))
+    for req in (first, second):
+        scheduler.add_request(req)
+    admitted = scheduler.admit_new_requests()
+    assert [req.rid for req in admitted] == [0], (
+        f"admitted {[req.rid for req in admitted]}, expected only request 0: request 1 needs 60 fresh slots and the room "
+        "is 56 (64 free - 8 kept for request 0). Its own cached prefix (16 evictable slots) is not room it could evict "
+        "for itself: count the room while its match is locked (prefix_cache.lock / unlock around the check)"
+    )
+    assert [req.rid for req in scheduler.waiting] == [1], f"request 1 should still wait, the queue is {[r.rid for r in scheduler.waiting]}"
+    assert cache.locks == 0, (
+        f"the cached prefix is still locked {cache.locks} time(s), but no admitted request reads it: "
+        "undo the lock taken to measure the room (unlock) whether or not the request is admitted"
+    )
