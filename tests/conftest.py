@@ -41,15 +41,57 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
 
 
+# exercise (where, what) -> the tests that stopped at it, for the summary at the end of the run
+NOT_WRITTEN = pytest.StashKey[dict[tuple[str, str], set[str]]]()
+EARLIER_STAGE_HINTS = pytest.StashKey[set[str]]()
+EXERCISE_STAGE = re.compile(r"Stage (\d+):")
+
+
+def exercise_location(excinfo) -> str:
+    """Where the skeleton raised: 'stages/s04_.../allocator.py:84 in TokenToKVPoolAllocator.alloc_extend'."""
+    entry = excinfo.traceback[-1]
+    code = entry.frame.code.raw
+    path = Path(entry.path)
+    if path.is_relative_to(REPO):
+        path = path.relative_to(REPO)
+    return f"{path}:{entry.lineno + 1} in {getattr(code, 'co_qualname', code.co_name)}"
+
+
+def earlier_stage_hint(item, message: str) -> str:
+    """For an exercise of an earlier stage than the test's: how to test this stage without it."""
+    marker, found = item.get_closest_marker("stage"), EXERCISE_STAGE.match(message)
+    if marker is None or found is None or int(found.group(1)) >= marker.args[0]:
+        return ""
+    stage, earlier = marker.args[0], int(found.group(1))
+    return (f"\n   (stage {earlier} comes before stage {stage}: finish it, or test stage {stage} on the "
+            f"reference stages 1-{stage - 1}: make stage-{stage} REFERENCE_UPTO={stage - 1})")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A stage exercise not written yet fails with one plain line instead of a traceback."""
+    """A stage exercise not written yet fails with where and what to write instead of a traceback."""
     report = yield
     if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError):
         message = str(call.excinfo.value)
         if message.startswith("Stage "):
-            report.longrepr = f"not written yet -> {message}"
+            where, hint = exercise_location(call.excinfo), earlier_stage_hint(item, message)
+            report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
+            item.config.stash.setdefault(NOT_WRITTEN, {}).setdefault((where, message), set()).add(item.nodeid)
+            item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     return report
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Each exercise that is not written yet once, with how many tests wait on it."""
+    pending = config.stash.get(NOT_WRITTEN, {})
+    if not pending:
+        return
+    terminalreporter.section("exercises not written yet")
+    for (where, message), tests in sorted(pending.items(), key=lambda entry: -len(entry[1])):
+        terminalreporter.line(f"{len(tests):4d} test(s) stop at {where}")
+        terminalreporter.line(f"       -> {message}")
+    for hint in sorted(config.stash.get(EARLIER_STAGE_HINTS, set()) - {""}):
+        terminalreporter.line(hint.strip())
 
 
 @pytest.fixture(scope="session")
