@@ -61,6 +61,7 @@ def hf_last_logits(path: str | Path, prompt: Sequence[int]) -> torch.Tensor:
 
 def assert_same_tokens(got: Sequence[int], expected: Sequence[int], what: str, tokenizer=None) -> None:
     """Fail with the first step where ``got`` leaves ``expected``, in a learner's words."""
+    __tracebackhide__ = True  # the failure points at the test's call, not at this helper
     got, expected = list(got), list(expected)
     if got == expected:
         return
@@ -74,8 +75,14 @@ def assert_same_tokens(got: Sequence[int], expected: Sequence[int], what: str, t
                 f"{what}: step {step}: your engine produced token {show(g)}, the reference produced "
                 f"{show(e)} (the first {step} tokens agreed)"
             )
+    common = min(len(got), len(expected))
+    if len(got) < len(expected):
+        missing = ", ".join(show(token) for token in expected[common : common + 3])
+        tail = f"yours stops too early: the reference goes on with {missing}" + (" ..." if len(expected) > common + 3 else "")
+        if expected[common] in getattr(tokenizer, "eos_token_ids", ()):
+            tail += " (an EOS token: the token that ends a request is kept in its output_ids)"
+    else:
+        tail = f"yours goes on with {show(got[common])}"
     raise AssertionError(
-        f"{what}: your engine produced {len(got)} tokens, the reference {len(expected)} "
-        f"(the first {min(len(got), len(expected))} agree); "
-        + ("yours stops too early" if len(got) < len(expected) else f"yours goes on with {show(got[len(expected)])}")
+        f"{what}: your engine produced {len(got)} tokens, the reference {len(expected)} (the first {common} agree); {tail}"
     )
