@@ -48,7 +48,7 @@ help:
 	@echo "  make skeleton         regenerate stages/ from solutions/ (overwrites stages/!)"
 	@echo "  make check-skeleton   fail if stages/ is out of sync with solutions/"
 	@echo "  make prove-fail       every graded test must fail on its stage's skeleton"
-	@echo "  make grade CHECKOUTS=\"dir1 dir2\" [STAGES=1-4]   score learners' checkouts (JUnit in reports/grades/)"
+	@echo "  make grade CHECKOUTS=\"dir1 dir2\" [STAGES=1-4] [ISOLATED=1]   score learners' checkouts (JUnit in reports/grades/)"
 	@echo "  make clean            caches and reports; make distclean also removes .venv and models/"
 
 # ---- setup -----------------------------------------------------------------------------
@@ -142,7 +142,7 @@ prove-fail: setup
 	$(PY) tools/prove_tests_fail.py $(if $(STAGES),--stages $(STAGES))
 
 grade: setup
-	$(PY) tools/grade.py $(CHECKOUTS) $(if $(STAGES),--stages $(STAGES))
+	$(PY) tools/grade.py $(CHECKOUTS) $(if $(STAGES),--stages $(STAGES)) $(if $(ISOLATED),--isolated)
 
 clean:
 	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .pytest_cache \

@@ -5,8 +5,18 @@ checkout's stages/ (ENGINE_IMPL=stages, ENGINE_STAGES_DIR=<checkout>/stages; the
 s00_foundation always comes from solutions/). Each checkout gets a JUnit XML report and a
 per-stage table; "total" is the number of tests the reference collects, so a stage whose
 test modules cannot even be imported against the learner's code still counts in full.
+"errors" counts tests that could not run at all (the checkout's code does not import, or a
+fixture broke); the first such error is printed under the table.
 
-    python tools/grade.py [CHECKOUT ...] [--junit-dir DIR] [--stages 1-4]
+Two ways to score, both per stage:
+
+    cumulative (default)  every stage runs on the learner's own earlier stages: stage N's score
+                          says whether *their engine* does stage N (an unfinished stage 2 costs
+                          points in every later stage)
+    --isolated            stage N runs on the reference stages 1..N-1 (one pytest run per
+                          stage): the score is stage N's own work, whatever came before
+
+    python tools/grade.py [CHECKOUT ...] [--junit-dir DIR] [--stages 1-4] [--isolated]
 """
 
 from __future__ import annotations
@@ -40,11 +50,55 @@ def error_report(path: Path, message: str, details: str = "") -> None:
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def merge_reports(parts: list[Path], report: Path) -> None:
+    """One JUnit file holding the test suites of several runs (the parts are removed)."""
+    root = ET.Element("testsuites", name="grade")
+    for part in parts:
+        for suite in ET.parse(part).getroot().iter("testsuite"):
+            root.append(suite)
+        part.unlink()
+    ET.ElementTree(root).write(report, encoding="utf-8", xml_declaration=True)
+
+
+def first_error(report: Path) -> str | None:
+    """The first error (not failure) in a JUnit report, in one line: why a test could not run.
+    The last line of its traceback names the exception (e.g. a SyntaxError in the checkout)."""
+    for error in ET.parse(report).iter("error"):
+        lines = [line.removeprefix("E ").strip() for line in (error.text or "").splitlines() if line.strip()]
+        return (lines[-1] if lines else error.get("message") or "(no message)")[:300]
+    return None
+
+
+def grade_checkout(checkout: Path, root: Path, test_dirs: dict[int, Path], stages: list[int], report: Path,
+                   isolated: bool) -> dict[str, str]:
+    """Run the chosen stages' tests on ``checkout``; write ``report``; return each test's outcome."""
+    def env(reference_upto: int):
+        return child_env(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto),
+                         ENGINE_STAGES_DIR=str(checkout / "stages"), ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
+
+    runs = [([str(test_dirs[n]) for n in stages], 0, report)] if not isolated else [
+        ([str(test_dirs[n])], n - 1, report.with_name(f"{report.stem}.stage{n:02d}.xml")) for n in stages
+    ]
+    outcomes: dict[str, str] = {}
+    for paths, reference_upto, junit in runs:
+        run = run_pytest(paths, env(reference_upto), junit=junit, root=root)
+        if not junit.is_file():
+            print(f"   pytest wrote no report for {', '.join(paths)} (exit {run.returncode}); its output ends:")
+            print("\n".join("   | " + line for line in run.output.splitlines()[-15:]))
+            error_report(junit, f"pytest exited {run.returncode} without a report", run.output[-5000:])
+        outcomes.update(run.outcomes)
+    if isolated:
+        merge_reports([junit for _, _, junit in runs], report)
+    return outcomes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkouts", nargs="*", type=Path, default=[REPO], help="learners' repository folders (default: this one)")
     parser.add_argument("--junit-dir", type=Path, default=REPO / "reports" / "grades", help="where the JUnit XML files go")
     parser.add_argument("--stages", type=parse_stages, help="which stages, e.g. 1-4 (default: all with tests)")
+    parser.add_argument("--isolated", action="store_true",
+                        help="score stage N on the reference stages 1..N-1 (default: on the learner's own)")
     parser.add_argument("--root", type=Path, default=REPO, help=argparse.SUPPRESS)  # the machinery's own tests
     args = parser.parse_args(argv)
     root = args.root.resolve()
@@ -54,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     if not stages:
         print("no graded tests (tests/stageNN/) for the chosen stages")
         return 1
-    paths = [str(test_dirs[n]) for n in stages]
     reference_env = child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
-    expected = Counter(stage_of(test) for test in collect(paths, reference_env, root=root))
+    expected = Counter(stage_of(test) for test in collect([str(test_dirs[n]) for n in stages], reference_env, root=root))
     args.junit_dir.mkdir(parents=True, exist_ok=True)
+    print("scoring: " + ("isolated (stage N on the reference stages 1..N-1)" if args.isolated
+                         else "cumulative (every stage on the learner's own earlier stages; --isolated: on the reference)"))
 
     summary, taken = [], set()
     for checkout in (c.resolve() for c in args.checkouts):
@@ -68,22 +123,19 @@ def main(argv: list[str] | None = None) -> int:
             error_report(report, f"no stages/ folder in {checkout}")
             summary.append((checkout, None, None))
             continue
-        env = child_env(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO="0",
-                        ENGINE_STAGES_DIR=str(checkout / "stages"), ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
-        run = run_pytest(paths, env, junit=report, root=root)
-        if not report.is_file():
-            print(f"   pytest wrote no report (exit {run.returncode}); its output ends:")
-            print("\n".join("   | " + line for line in run.output.splitlines()[-15:]))
-            error_report(report, f"pytest exited {run.returncode} without a report", run.output[-5000:])
-        passed = Counter(stage_of(t) for t, outcome in run.outcomes.items() if outcome == "passed")
-        skipped = Counter(stage_of(t) for t, outcome in run.outcomes.items() if outcome == "skipped")
-        ran = Counter(stage_of(t) for t in run.outcomes)
-        print(f"   {'stage':>5}  {'passed/total':>12}  {'skipped':>7}")
+        outcomes = grade_checkout(checkout, root, test_dirs, stages, report, args.isolated)
+        passed, skipped, errored = (Counter(stage_of(t) for t, outcome in outcomes.items() if outcome == kind)
+                                    for kind in ("passed", "skipped", "error"))
+        ran = Counter(stage_of(t) for t in outcomes)
+        print(f"   {'stage':>5}  {'passed/total':>12}  {'skipped':>7}  {'errors':>6}")
         for n in stages:
             total = max(expected[n], ran[n])
-            print(f"   {n:>5}  {f'{passed[n]}/{total}':>12}  {skipped[n]:>7}")
+            print(f"   {n:>5}  {f'{passed[n]}/{total}':>12}  {skipped[n]:>7}  {errored[n]:>6}")
         got, total = sum(passed[n] for n in stages), sum(max(expected[n], ran[n]) for n in stages)
-        print(f"   {'all':>5}  {f'{got}/{total}':>12}  {sum(skipped.values()):>7}    report: {report}")
+        errors = sum(errored.values())
+        print(f"   {'all':>5}  {f'{got}/{total}':>12}  {sum(skipped.values()):>7}  {errors:>6}    report: {report}")
+        if errors:
+            print(f"   first error: {first_error(report)}")
         summary.append((checkout, got, total))
 
     if len(summary) > 1:

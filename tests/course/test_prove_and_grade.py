@@ -132,6 +132,10 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     assert (score("finished", 1), score("finished", 2), score("finished", "all")) == ("2/3", "1/1", "3/4")
     assert (score("untouched", 1), score("untouched", 2)) == ("1/3", "0/1")
     assert score("broken", 2) == "0/1", "a stage whose module does not import still counts its tests"
+    broken_rows = tables[str(tmp_path / "broken")]
+    assert "first error: NameError: name 'this' is not defined" in broken_rows, f"a broken checkout should say why:\n{broken_rows}"
+    assert next(line for line in broken_rows.splitlines() if line.split()[:1] == ["2"]).split()[3] == "1", broken_rows
+    assert "first error:" not in tables[str(tmp_path / "untouched")], "failing tests are not errors"
     assert "no stages/ folder" in tables[str(empty)]
 
     for name in ("finished", "untouched", "broken", "empty"):
@@ -139,3 +143,24 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     cases = {c.get("name"): c for c in ET.parse(reports / "finished.xml").iter("testcase")}
     assert cases["test_add"].find("failure") is None and cases["test_skipped"].find("skipped") is not None
     assert ET.parse(reports / "empty.xml").find(".//error") is not None
+
+
+def test_isolated_grading_scores_each_stage_on_the_reference_before_it(course, tmp_path):
+    # Stage 2 written, stage 1 not: cumulative scoring fails stage 2 (it calls the learner's add),
+    # isolated scoring runs it on the reference stage 1 and credits it.
+    half = tmp_path / "half"
+    assert tool("make_skeleton.py", "--solutions", str(course / "solutions"), "--stages", str(half / "stages")).returncode == 0
+    shutil.copy(course / "solutions" / "s02_mul" / "__init__.py", half / "stages" / "s02_mul" / "__init__.py")
+    reports = tmp_path / "reports"
+
+    def stage_scores(*flags):
+        done = tool("grade.py", "--root", str(course), "--junit-dir", str(reports), *flags, str(half))
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows = [line.split() for line in done.stdout.splitlines()]
+        return {row[0]: row[1] for row in rows if row[:1] in (["1"], ["2"])}
+
+    assert stage_scores() == {"1": "1/3", "2": "0/1"}
+    assert stage_scores("--isolated") == {"1": "1/3", "2": "1/1"}
+    suites = ET.parse(reports / "half.xml").getroot().findall(".//testsuite")
+    assert len(suites) == 2, "--isolated writes one report per checkout, with a test suite per stage"
+    assert not list(reports.glob("half.stage*.xml")), "the per-stage parts are merged away"
