@@ -81,6 +81,21 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A test module that cannot be imported (a SyntaxError in your stage, say) shows the import
+    from the test file on, without the frames of pytest's and Python's import machinery above it."""
+    report = yield
+    if report.failed:
+        lines = str(report.longrepr).splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("tests/")), None)
+        if start:
+            errors = [line.removeprefix("E").strip() for line in lines[start:] if line.startswith("E ")]
+            headline = f"import failed: {errors[-1] if errors else 'see below'}"
+            report.longrepr = "\n".join([headline, *lines[start:]])
+    return report
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """Each exercise that is not written yet once, with how many tests wait on it."""
     pending = config.stash.get(NOT_WRITTEN, {})

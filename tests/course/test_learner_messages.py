@@ -2,12 +2,14 @@
 
 Runs pytest on the real skeleton in stages/, as `make stage-4` does, and checks that the
 failure names the file, line and function to write, that an earlier stage's exercise says how
-to test this stage without it, and that the summary lists each exercise once.
+to test this stage without it, that the summary lists each exercise once, and that code which
+does not import says why without pages of import machinery.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +19,14 @@ from impl_switch import SWITCH_VARS
 REPO = Path(__file__).resolve().parents[2]
 
 
-def learner_run(*tests: str, reference_upto: int = 0) -> str:
+def learner_run(*tests: str, reference_upto: int = 0, stages_dir: Path | None = None, exit_code: int = 1) -> str:
     env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS}
     env.update(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto))
+    if stages_dir is not None:
+        env["ENGINE_STAGES_DIR"] = str(stages_dir)
     done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, f"the skeleton's tests should fail (exit 1), got {done.returncode}:\n{done.stdout[-3000:]}"
+    assert done.returncode == exit_code, f"pytest should exit {exit_code}, it exited {done.returncode}:\n{done.stdout[-3000:]}"
     return done.stdout
 
 
@@ -39,3 +43,14 @@ def test_an_earlier_stages_exercise_says_how_to_test_without_it():
     out = learner_run("tests/stage04/test_static_batch.py::test_page_sizes_give_identical_tokens")
     assert "-> Stage 2: " in out, out[-3000:]
     assert "make stage-4 REFERENCE_UPTO=3" in out, out[-3000:]
+
+
+def test_a_syntax_error_in_your_stage_is_short_and_named(tmp_path):
+    stages = tmp_path / "stages"
+    shutil.copytree(REPO / "stages", stages, ignore=shutil.ignore_patterns("__pycache__"))
+    with (stages / "s01_naive_generate" / "generate.py").open("a") as f:
+        f.write("\ndef oops(:\n")
+    done = learner_run("tests/stage01", stages_dir=stages, exit_code=2)  # 2: interrupted by a collection error
+    assert "import failed: SyntaxError" in done, done[-3000:]
+    assert "s01_naive_generate/generate.py" in done, done[-3000:]
+    assert "importlib" not in done, f"the import machinery's frames should be cut:\n{done[-3000:]}"
