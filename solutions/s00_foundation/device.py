@@ -22,4 +22,5 @@ def describe(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"
