@@ -75,8 +75,12 @@ def pytest_runtest_makereport(item, call):
         message = str(call.excinfo.value)
         if message.startswith("Stage "):
             where, hint = exercise_location(call.excinfo), earlier_stage_hint(item, message)
-            report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
-            item.config.stash.setdefault(NOT_WRITTEN, {}).setdefault((where, message), set()).add(item.nodeid)
+            waiting = item.config.stash.setdefault(NOT_WRITTEN, {})
+            if (where, message) in waiting:  # said in full at the first test that stopped there
+                report.longrepr = f"not written yet: {where} (the same exercise as above)"
+            else:
+                report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
+            waiting.setdefault((where, message), set()).add(item.nodeid)
             item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     return report
 
