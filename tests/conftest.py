@@ -81,7 +81,8 @@ def pytest_runtest_makereport(item, call):
             else:
                 report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
             waiting.setdefault((where, message), set()).add(item.nodeid)
-            item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
+            if hint:
+                item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     return report
 
 
@@ -109,7 +110,7 @@ def pytest_terminal_summary(terminalreporter, config):
     for (where, message), tests in sorted(pending.items(), key=lambda entry: -len(entry[1])):
         terminalreporter.line(f"{len(tests):4d} test(s) stop at {where}")
         terminalreporter.line(f"       -> {message}")
-    for hint in sorted(config.stash.get(EARLIER_STAGE_HINTS, set()) - {""}):
+    for hint in sorted(config.stash.get(EARLIER_STAGE_HINTS, set())):
         terminalreporter.line(hint.strip())
 
 
