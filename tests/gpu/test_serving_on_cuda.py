@@ -11,12 +11,12 @@ from __future__ import annotations
 QUESTION = "What is the capital of France?"
 
 
-def test_the_server_answers_on_cuda_with_graphs(cuda_device, default_model_dir):
+def test_the_server_answers_on_cuda_with_graphs(cuda_device, default_model_dir, tmp_path):
     from openai import OpenAI
 
     from stage09.serving_helpers import Server, stream_concurrently
 
-    server = Server(default_model_dir, ["--device", "cuda", "--pool-size", "8192"])
+    server = Server(default_model_dir, ["--device", "cuda", "--pool-size", "8192"], tmp_path)
     try:
         client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
         answer = client.chat.completions.create(

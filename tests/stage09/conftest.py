@@ -14,8 +14,8 @@ DEFAULT_ARGS = ["--pool-size", "2048"]
 
 
 @pytest.fixture(scope="session")
-def tiny_server_session(tiny_models_root):
-    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS)
+def tiny_server_session(tiny_models_root, tmp_path_factory):
+    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path_factory.mktemp("s09-tiny-server"))
     yield server
     server.stop()
 
@@ -28,8 +28,8 @@ def tiny_server(tiny_server_session):
 
 
 @pytest.fixture(scope="session")
-def default_server_session(default_model_dir):
-    server = Server(default_model_dir, DEFAULT_ARGS)
+def default_server_session(default_model_dir, tmp_path_factory):
+    server = Server(default_model_dir, DEFAULT_ARGS, tmp_path_factory.mktemp("s09-default-server"))
     yield server
     server.stop()
 

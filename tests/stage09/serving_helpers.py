@@ -23,11 +23,14 @@ STARTUP_TIMEOUT_S = 240
 
 
 class Server:
-    """A running server (``python -m s09_zmq_serving``) and its log, for the tests."""
+    """A running server (``python -m s09_zmq_serving``) and its log, for the tests.
 
-    def __init__(self, model: Path, args: list[str], new_session: bool = False):
+    The log goes in ``log_dir``: pytest's own temporary folder, which keeps the last three runs
+    (a failure can be read there afterwards) and deletes older ones."""
+
+    def __init__(self, model: Path, args: list[str], log_dir: Path, new_session: bool = False):
         self.model = model
-        fd, name = tempfile.mkstemp(prefix="s09-server-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
         self.log_path, self.log = Path(name), os.fdopen(fd, "w")
         self.process = ServerProcess(["--model", str(model), *args], log=self.log, new_session=new_session)
         self.base_url = self.process.base_url

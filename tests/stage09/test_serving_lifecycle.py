@@ -72,8 +72,8 @@ def test_clients_that_disconnect_are_aborted_and_their_kv_freed(default_server):
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "kill -9 of the launcher"])
-def test_stopping_the_server_leaves_no_process(tiny_models_root, how):
-    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, new_session=True)
+def test_stopping_the_server_leaves_no_process(tiny_models_root, tmp_path, how):
+    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path, new_session=True)
     pids = {}
     try:
         pids = server.debug_state()["pids"]
