@@ -33,6 +33,7 @@ through the same code, so everything but the capture itself is checked on any ma
 from __future__ import annotations
 
 import bisect
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,6 +98,7 @@ class CudaGraphRunner:
         self.batches: dict[tuple[int, int], ForwardBatch] = {}  # bucket -> its static batch
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.output_buffers: dict[tuple[int, int], torch.Tensor] = {}  # bucket -> the graph's logits
+        self.capture_seconds = 0.0  # wall time spent warming up and capturing graphs so far (CUDA only)
 
     # --- which batches, which bucket --------------------------------------------------------------
 
@@ -127,14 +129,18 @@ class CudaGraphRunner:
             req_pool_indices=self.req_pool_indices[:bs],
             out_cache_loc=self.out_cache_loc[:bs],
         )
-        self.batches[bs, kv_len] = batch
         self.attn_backend.init_forward_metadata_capture_cuda_graph(bs, kv_len, batch, self.seq_lens[:bs])
-        if not self.use_cuda_graph:
-            return
-        # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
-        self.fill_padding(0, bs)
-        self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs], self.seq_lens[:bs])
-        raise NotImplementedError("Stage 8: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make test-gpu) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
+        if self.use_cuda_graph:
+            start = time.perf_counter()
+            # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
+            self.fill_padding(0, bs)
+            self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs], self.seq_lens[:bs])
+            raise NotImplementedError("Stage 8: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make test-gpu) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
+            # torch.cuda.graph synchronizes on entry and recording queues no GPU work, so this host time
+            # is the warm-up's and the capture's. A server pays it once per bucket; benchmarks report it apart.
+            self.capture_seconds += time.perf_counter() - start
+        # Registered last: a capture that raised leaves no bucket that replay would take as ready.
+        self.batches[bs, kv_len] = batch
 
     # --- replay -----------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import torch
 
 from graph_helpers import prompts_of, run_pass, runners, start
 from reference import engine_model
+from s04_paged_kv_pool.engine import prepare_forward
 from s08_cuda_graph import cuda_graph_runner as cgr
 
 
@@ -176,3 +177,36 @@ def test_capture_records_the_buckets_static_batch_and_waits_for_the_side_stream(
         "the side stream must wait for the default stream before the warm-up (side.wait_stream(current_stream()))"
     )
     assert "side" in cuda.default.waited_for, "the default stream must wait for the side stream after the warm-up"
+
+
+def test_a_capture_that_failed_is_captured_again_not_replayed(monkeypatch, tiny_models_root):
+    """A capture can fail (out of GPU memory, say). The decode that asked for it fails with it,
+    but the bucket must not look ready afterwards: the same decode tried again captures afresh."""
+    graph, eager, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / "llama"))
+    runner = graph.cuda_graph_runner
+    mine, theirs = start(graph, prompts_of(3)), start(eager, prompts_of(3))
+    run_pass(graph, mine), run_pass(eager, theirs)  # the prefill: eager on both
+    recording = runner.model
+
+    def fails_while_capturing(*args, **kwargs):
+        if cuda.capturing is not None:
+            raise RuntimeError("CUDA out of memory (planted by the test, during the capture)")
+        return recording(*args, **kwargs)
+
+    batch = prepare_forward(graph, mine)
+    runner.model = fails_while_capturing
+    with pytest.raises(RuntimeError):
+        graph.forward(batch)
+    runner.model = recording
+    _, expected = run_pass(eager, theirs)
+    try:
+        got = graph.forward(batch)
+    except KeyError as missing:
+        pytest.fail(f"after a failed capture, bucket {missing} was taken as captured and replay found no graph: "
+                    "register a bucket (self.batches) only once its capture has succeeded", pytrace=False)
+    assert graph.last_forward_path == "graph", f"the decode tried again took the {graph.last_forward_path!r} path"
+    (bucket,) = runner.graphs
+    assert runner.graphs[bucket].replays == 1, "the decode tried again must capture the bucket and replay it once"
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (
+        f"after the capture was retried the logits differ from the eager runner's by {(got - expected).abs().max().item():.3g}"
+    )
