@@ -116,14 +116,15 @@ test: setup
 test-gpu: setup
 	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "error: make test-gpu needs a CUDA GPU; torch " + torch.__version__ + " sees none")'
 	@mkdir -p reports; \
-	$(REFERENCE) ENGINE_REQUIRE_GPU=1 ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests/gpu $(PYTEST_ARGS); rc=$$?; \
+	$(REFERENCE) ENGINE_REQUIRE_GPU=1 ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests/gpu -rA --junitxml=reports/gpu_tests.xml \
+	  $(PYTEST_ARGS) 2>&1 | tee reports/gpu_tests.txt; rc=$${PIPESTATUS[0]}; \
 	$(REFERENCE) $(PY) tools/benchmark_decode.py --json reports/benchmark_decode.json 2>&1 | tee reports/benchmark_decode.txt; \
 	decode_rc=$${PIPESTATUS[0]}; \
 	$(REFERENCE) $(PY) tools/execute_notebooks.py notebooks/08_cuda_graph.ipynb; notebook_rc=$$?; \
 	$(REFERENCE) $(PY) tools/benchmark_offline.py --stage 8 --num-requests 64 2>&1 | tee reports/benchmark_offline_stage8.txt; \
 	offline_rc=$${PIPESTATUS[0]}; \
 	echo "GPU tests exit $$rc, benchmark_decode exit $$decode_rc, benchmark_offline exit $$offline_rc," \
-	  "notebook 08 exit $$notebook_rc (reports/benchmark_*.txt, notebooks/08_cuda_graph.ipynb)"; \
+	  "notebook 08 exit $$notebook_rc (reports/gpu_tests.txt, reports/benchmark_*.txt, notebooks/08_cuda_graph.ipynb)"; \
 	exit $$(( rc || decode_rc || offline_rc || notebook_rc ))
 
 notebooks: setup
