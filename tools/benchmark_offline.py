@@ -229,6 +229,11 @@ def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
     if run.graphs:
         print(f"  of which CUDA graph capture:       {run.graphs} graphs in {run.capture_s:.2f} s; without it "
               f"{total / steady_s:.1f} tokens/s")
+
+    def ratio(theirs_s: float) -> str:
+        without = f" ({theirs_s / steady_s:.2f}x without the graph capture)" if run.graphs else ""
+        return f"{theirs_s / ours_s:.2f}x{without} on {describe(device)}"
+
     if args.skip_transformers:
         return
 
@@ -248,10 +253,6 @@ def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
     finally:
         if hasattr(hf_model, "destroy_cached_continuous_batching_manager"):
             hf_model.destroy_cached_continuous_batching_manager()
-    def ratio(theirs_s: float) -> str:
-        without = f" ({theirs_s / steady_s:.2f}x without the graph capture)" if run.graphs else ""
-        return f"{theirs_s / ours_s:.2f}x{without} on {describe(device)}"
-
     print(f"  engine / transformers static:      {ratio(static_s)}")
     if cb is not None:
         print(f"  engine / transformers continuous:  {ratio(cb_s)}")

@@ -184,7 +184,8 @@ def test_a_capture_that_failed_is_captured_again_not_replayed(monkeypatch, tiny_
     but the bucket must not look ready afterwards: the same decode tried again captures afresh."""
     graph, eager, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / "llama"))
     runner = graph.cuda_graph_runner
-    mine, theirs = start(graph, prompts_of(3)), start(eager, prompts_of(3))
+    prompts = prompts_of(3)
+    mine, theirs = start(graph, prompts), start(eager, prompts)
     run_pass(graph, mine), run_pass(eager, theirs)  # the prefill: eager on both
     recording = runner.model
 
