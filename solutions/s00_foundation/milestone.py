@@ -4,6 +4,7 @@
     add_model_args(parser)                  # --model, --device
     ...
     path, device, model, tokenizer = load_from_args(parser.parse_args())
+    path, device, model = model_from_args(args)   # a milestone that needs no tokenizer
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
 
 
-def load_from_args(args: argparse.Namespace) -> tuple[str | Path, torch.device | str, CausalLM, Tokenizer]:
-    """The model path (the default model unless --model), the device, the model loaded there
-    (its default dtype for that device) and its tokenizer."""
+def model_from_args(args: argparse.Namespace) -> tuple[str | Path, torch.device | str, CausalLM]:
+    """The model path (the default model unless --model), the device, and the model loaded there
+    (its default dtype for that device)."""
     path = args.model or default_model_path()
     device = args.device or default_device()
-    return path, device, load_model(path, device=device), Tokenizer(path)
+    return path, device, load_model(path, device=device)
+
+
+def load_from_args(args: argparse.Namespace) -> tuple[str | Path, torch.device | str, CausalLM, Tokenizer]:
+    """``model_from_args`` and the model's tokenizer."""
+    path, device, model = model_from_args(args)
+    return path, device, model, Tokenizer(path)

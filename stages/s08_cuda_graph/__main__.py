@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from s00_foundation.device import describe
-from s00_foundation.milestone import add_model_args, load_from_args
+from s00_foundation.milestone import add_model_args, model_from_args
 
 from .decode_latency import decode_step_latency
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (the median is shown)")
     args = parser.parse_args()
 
-    path, device, model, _ = load_from_args(args)
+    path, device, model = model_from_args(args)
     on_gpu = model.device.type == "cuda"
     default_sizes = "1,2,4,8,16,32,64" if on_gpu else "1,2,4,8"
     sizes = [int(s) for s in (args.batch_sizes or default_sizes).split(",")]
