@@ -91,7 +91,7 @@ class EngineClient:
                     queue = self.queues.pop(rid, None) if finish is not None else self.queues.get(rid)
                     if queue is not None:
                         queue.put_nowait(OutputPiece(message.texts[i], finish, message.prompt_tokens[i],
-                                                       message.completion_tokens[i]))
+                                                     message.completion_tokens[i]))
             elif isinstance(message, (ErrorOut, DebugStateOut)):
                 queue = self.queues.pop(message.rid, None)
                 if queue is not None:

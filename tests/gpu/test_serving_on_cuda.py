@@ -7,7 +7,6 @@ GPU is a failure instead.
 
 from __future__ import annotations
 
-
 QUESTION = "What is the capital of France?"
 
 
@@ -35,4 +34,3 @@ def test_the_server_answers_on_cuda_with_graphs(cuda_device, default_model_dir, 
     finally:
         code = server.stop()
     assert code == 0, f"the server exited with code {code} on SIGTERM:\n{server.why()}"
-
