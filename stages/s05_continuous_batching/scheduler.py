@@ -188,10 +188,13 @@ class Scheduler:
         return sum(slots_to_extend(req, self.page_size) for req in reqs)
 
     def future_slots(self, req: Req) -> int:
-        """Slots kept back for what ``req`` may still generate after its next pass:
-        ``new_token_ratio`` of its remaining max_new_tokens."""
+        """Slots kept back for what ``req`` may still generate after its next pass (which ends at
+        device_len): ``new_token_ratio`` of its remaining max_new_tokens, in the whole pages those
+        positions take. Counted in pages, a ratio of 1 keeps back exactly what it will use."""
         remaining = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
-        return math.ceil(self.new_token_ratio * max(remaining, 0))
+        tokens = math.ceil(self.new_token_ratio * max(remaining, 0))
+        p = self.page_size
+        return (pages_for(req.device_len + tokens, p) - pages_for(req.device_len, p)) * p
 
     def reserved_slots(self, reqs) -> int:
         """Slots admission keeps back for ``reqs``: their next pass and their future_slots."""
