@@ -335,10 +335,10 @@ MUTANTS: list[Mutant] = [
            "a decode of exactly max_bs requests still fits the largest graph",
            edit("forward_batch.num_reqs <= self.max_bs", "forward_batch.num_reqs < self.max_bs"),
            r"max_bs|graph|eager"),
-    Mutant("s08-seq-len-is-position", "s08_cuda_graph/cuda_graph_runner.py",
-           "a decode token at position p sees p + 1 keys (seq_len = position + 1)",
-           edit("self.seq_lens[:n].copy_(forward_batch.positions + 1)", "self.seq_lens[:n].copy_(forward_batch.positions)"),
-           r"seq_len|logits|token"),
+    Mutant("s08-no-max-kv-len-bucket", "s08_cuda_graph/cuda_graph_runner.py",
+           "the table width itself is the largest key-length bucket, so every sequence the table holds has a graph",
+           edit("    return buckets + [max_kv_len]\n    # END EXERCISE", "    return buckets\n    # END EXERCISE"),
+           r"kv_len_buckets"),
     Mutant("s08-padding-not-refilled", "s08_cuda_graph/cuda_graph_runner.py",
            "rows past the real batch are padded with dummy requests on every replay",
            edit("        self.fill_padding(n, bs)\n        self.attn_backend", "        self.attn_backend"),
@@ -359,7 +359,7 @@ MUTANTS: list[Mutant] = [
            edit("""        if out.finish_reason is not None:
             yield sse(make_chunk("", out.finish_reason, None))
 """, ""),
-           r"finish_reason|finish reason"),
+           r"finish"),
     Mutant("s09-no-done", "s09_zmq_serving/api_server.py",
            "an SSE stream ends with 'data: [DONE]'",
            edit('    yield sse("[DONE]")\n    # END EXERCISE', "    # END EXERCISE"),

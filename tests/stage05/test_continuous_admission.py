@@ -37,7 +37,7 @@ def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_r
         tokens = sum(len(prompts[rid]) for rid in new)
         assert tokens <= budget or len(new) == 1, (
             f"step {trace.step}: admitted {new} with {tokens} prompt tokens in total, over max_prefill_tokens={budget}; "
-            "only a single request may exceed the budget (alone in its step)"
+            "only a single request may exceed the budget (as the only prefill of its step)"
         )
         admitted_order += new
         next_in_line += len(new)
@@ -55,7 +55,7 @@ def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_r
     assert_pool_free(engine, "FCFS workload")
 
 
-def test_a_prompt_longer_than_the_prefill_budget_runs_alone(tiny_models_root):
+def test_a_prompt_longer_than_the_prefill_budget_is_the_only_prefill_of_its_step(tiny_models_root):
     path = tiny_models_root / "llama"
     long_prompt, short = list(b"x" * 20 + b"a prompt longer than the budget of 32 tokens"), list(b"short")
     engine, recorder, traces = tiny_engine(path, pool_size=512, max_running_requests=4, max_prefill_tokens=32)
@@ -66,6 +66,10 @@ def test_a_prompt_longer_than_the_prefill_budget_runs_alone(tiny_models_root):
     assert long_steps and long_steps[0].prefill_rids == [1], (
         f"the {len(long_prompt)}-token prompt is over max_prefill_tokens=32: it must be admitted as the only prefill of "
         f"its step; steps with it: {[(t.step, t.prefill_rids) for t in long_steps]}"
+    )
+    assert long_steps[0].decode_rids == [0], (
+        f"request 0 was running when the long prompt was admitted: its decode rides in the same pass (only the "
+        f"prefills are rationed); that step decoded {long_steps[0].decode_rids}"
     )
     assert_pool_free(engine, "long prompt")
 

@@ -99,7 +99,7 @@ def test_chunked_prefill_size_none_computes_every_prompt_whole(tiny_models_root)
     prefill_rows = [[e for e, p in zip(extend_lens, prefix_lens) if p == 0] for extend_lens, prefix_lens in recorder.passes]
     assert prefill_rows[0] == [40], (
         f"{what}: chunked_prefill_size=None turns chunking off (stage 6's behaviour): the 40-token prompt is computed "
-        f"whole in one pass, alone in its step since it is longer than max_prefill_tokens; the passes' prefill rows "
+        f"whole in one pass, as its step's only prefill since it is longer than max_prefill_tokens; the passes' prefill rows "
         f"were {[rows for rows in prefill_rows if rows]}"
     )
     for req, prompt in zip(reqs, prompts):
