@@ -44,7 +44,8 @@ class Lab:
         env.update(switch, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
         self.log = (tmp_path / "lab.log").open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "tools/lab.py", "--no-browser", f"--port={self.port}", f"--IdentityProvider.token={self.token}"],
+            [sys.executable, "tools/lab.py", "--no-browser", f"--port={self.port}", "--ServerApp.port_retries=0",
+             f"--IdentityProvider.token={self.token}"],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.log_path = tmp_path / "lab.log"
