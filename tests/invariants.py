@@ -19,7 +19,11 @@ def check_all(engine, what: str) -> None:
         if engine.tree_cache is not None:
             engine.tree_cache.check()
     except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
+        hint = ""
+        if engine.tree_cache is not None and "leaked" in str(error):
+            hint = ("\n  (with the radix cache, a leaving request's pages are either kept by the tree or freed: its own "
+                    "copies of tokens the tree already held - duplicates - and its last partial page must be freed)")
+        raise AssertionError(f"{what}: {error}{hint}") from None
 
 
 def watch_evict(cache):

@@ -12,8 +12,8 @@ learner would read first). A mutant is
     TIMEOUT     the tests hung (a learner would see no message at all)
 
 It prints one line per mutant, the kill rate per stage and every mutant not killed. A full run
-takes the better part of an hour, so CI only checks that every mutant still applies to the
-current solutions (tests/course/test_mutants.py).
+takes about half an hour on a 2-core machine, so CI only checks that every mutant still applies
+to the current solutions (tests/course/test_mutants.py).
 
     python tools/mutants.py [--stages 5-7] [--only NAME ...]    # `make mutants` runs them all
     python tools/mutants.py --list                              # the catalogue, no tests run
@@ -250,7 +250,7 @@ MUTANTS: list[Mutant] = [
            edit("""        for req in finished:
             self.release_req(req, insert=True)
         self.running""", """        self.running"""),
-           r"finished request|free its slots|leak"),
+           r"finished"),
 
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant("s06-evict-a-parent-with-children", "s06_radix_cache/radix_cache.py",
@@ -289,7 +289,7 @@ MUTANTS: list[Mutant] = [
            "when the tree already holds a prefix, the leaving request's own copies of it are freed",
            edit("            self.allocator.free(slots[match.cached_len : present])\n            self.allocator.free(slots[aligned:])",
                 "            self.allocator.free(slots[aligned:])"),
-           r"duplicate|leak"),
+           r"duplicate"),
 
     # --- stage 7: chunked prefill -------------------------------------------------------------
     Mutant("s07-no-chunking", "s07_chunked_prefill/scheduler.py",
@@ -303,7 +303,7 @@ MUTANTS: list[Mutant] = [
     Mutant("s07-duplicates-kept", "s07_chunked_prefill/prefix_cache.py",
            "a chunk's own copies of tokens the tree already held are freed",
            edit("        self.allocator.free(slots[match.cached_len : present])\n        new_match", "        new_match"),
-           r"duplicate|leak"),
+           r"duplicate"),
     Mutant("s07-sample-mid-prefill", "s07_chunked_prefill/scheduler.py",
            "a request whose prefill is unfinished is never sampled (its logits mean nothing yet)",
            edit("return super().process_batch_result(others, logits[rest])", "return super().process_batch_result(batch, logits)"),

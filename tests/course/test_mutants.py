@@ -1,7 +1,7 @@
 """The mutation check's catalogue still applies to the current solutions (not graded).
 
 `make mutants` plants each realistic learner bug of tools/mutants.py into a copy of solutions/
-and runs its stage's graded tests; that takes the better part of an hour, so CI only checks that
+and runs its stage's graded tests; that takes about half an hour, so CI only checks that
 every mutant still applies: its old text is found once, inside an exercise region, the mutated
 file compiles, and every stage keeps at least five mutants."""
 

@@ -44,10 +44,16 @@ def run_to_end(engine, check_every_step: bool = True, max_steps: int = 10_000):
     steps = 0
     with torch.inference_mode():
         while engine.has_work:
-            engine.step()
+            finished = [out.rid for out in engine.step() if out.finish_reason is not None]
             steps += 1
             if check_every_step:
-                engine.scheduler.check_invariants()
+                try:
+                    engine.scheduler.check_invariants()
+                except AssertionError as error:
+                    raise AssertionError(
+                        f"after step {steps} (requests that finished in it: {finished}; a finished request is released "
+                        f"in the step it finishes, its slots and table row freed at once): {error}"
+                    ) from None
             assert steps < max_steps, f"the engine still has work after {max_steps} steps: is a request stuck?"
     return steps
 
