@@ -28,15 +28,16 @@ NOTEBOOKS = impl_switch.REPO / "notebooks"
 KERNEL_NAME = "python3"  # what every notebook's metadata names
 
 
-def write_kernel_spec(data_dir: Path, switch: impl_switch.Switch) -> Path:
-    """A kernel spec for this Python with the switch's settings; returns its folder."""
+def write_kernel_spec(data_dir: Path, switch: impl_switch.Switch, pythonpath: str) -> Path:
+    """A kernel spec for this Python with the switch's settings and ``pythonpath`` (which holds
+    tools/switch_site); returns its folder."""
     folder = data_dir / "kernels" / KERNEL_NAME
     folder.mkdir(parents=True, exist_ok=True)
     spec = {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": f"Python 3 (engine: {engine_line(switch)})",
         "language": "python",
-        "env": {**switch.to_env(), "PYTHONPATH": os.environ["PYTHONPATH"]},
+        "env": {**switch.to_env(), "PYTHONPATH": pythonpath},
     }
     (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
     return folder
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="engine-lab-") as data_dir:
-        write_kernel_spec(Path(data_dir), switch)
+        write_kernel_spec(Path(data_dir), switch, os.environ["PYTHONPATH"])
         os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [data_dir, os.environ.get("JUPYTER_PATH")]))
         print(f"JupyterLab on {NOTEBOOKS}, kernel: engine {engine_line(switch)}; Ctrl-C stops it", file=sys.stderr, flush=True)
         command = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={NOTEBOOKS}",

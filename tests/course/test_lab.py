@@ -2,8 +2,8 @@
 and kernel API imports the engine through the implementation switch (not graded).
 
 The server is started headless, as `make lab ARGS="--no-browser ..."` would start it; the first
-code cells of notebook 03 run on the kernel it offers, and their first output names the engine and
-the device. A second server with ENGINE_IMPL=stages shows the learner's tree instead."""
+code cells of notebook 04 run on the kernel it offers, and their first output names the engine and
+the device. With ENGINE_IMPL=stages the kernel it writes imports the learner's tree instead."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ import pytest
 import requests
 import websocket  # websocket-client, which jupyter-server depends on
 
+import lab as lab_tool  # tools/lab.py
 from impl_switch import SWITCH_VARS
 
 REPO = Path(__file__).resolve().parents[2]
-NOTEBOOK = "03_kv_cache.ipynb"  # its first two code cells: set-up, then naive vs cached on 24 tokens
+NOTEBOOK = "04_paged_kv_pool.ipynb"  # its first two code cells: set-up (loads the model), then KV bytes per token
 
 
 def free_port() -> int:
@@ -36,12 +37,12 @@ def free_port() -> int:
 class Lab:
     """tools/lab.py in its own process group, on a free port with a known token."""
 
-    def __init__(self, tmp_path: Path, **switch: str):
-        tmp_path.mkdir(parents=True)
+    def __init__(self, tmp_path: Path):
         self.port, self.token = free_port(), uuid.uuid4().hex
         self.base = f"http://127.0.0.1:{self.port}"
+        # no ENGINE_* settings: the reference by default, as `make lab` runs it
         env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS}
-        env.update(switch, JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+        env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
         self.log = (tmp_path / "lab.log").open("w")
         self.process = subprocess.Popen(
             [sys.executable, "tools/lab.py", "--no-browser", f"--port={self.port}", "--ServerApp.port_retries=0",
@@ -119,22 +120,16 @@ def execute(channel, code: str) -> str:
 
 
 @pytest.fixture
-def lab(tmp_path):
-    servers = []
-
-    def start(**switch):
-        server = Lab(tmp_path / f"lab{len(servers)}", **switch)
-        servers.append(server)
-        server.wait_until_up()
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+def server(tmp_path):
+    lab = Lab(tmp_path)
+    try:
+        lab.wait_until_up()
+        yield lab
+    finally:
+        lab.stop()
 
 
-def test_lab_runs_a_notebook_on_the_reference_by_default(lab, default_model_dir):
-    server = lab()
+def test_lab_runs_a_notebook_on_the_reference_by_default(server, default_model_dir):
     assert server.get("/lab").status_code == 200, "JupyterLab's page did not load"
     specs = server.get("/api/kernelspecs").json()
     default = specs["kernelspecs"][specs["default"]]["spec"]
@@ -142,23 +137,29 @@ def test_lab_runs_a_notebook_on_the_reference_by_default(lab, default_model_dir)
         f"the default kernel should be the course's python3 kernel on the reference engine, got {specs['default']}: {default}"
     )
     assert default["argv"][0] == sys.executable, f"the kernel should run this environment's Python, not {default['argv'][0]}"
-    setup, first_run = server.run_cells(NOTEBOOK, 2)
+    setup, table = server.run_cells(NOTEBOOK, 2)
     first_line = setup.splitlines()[0]
     assert first_line.startswith("engine: the reference (solutions/)") and "device: cpu" in first_line, (
         f"notebook {NOTEBOOK}'s first output should name the engine and the device, got {first_line!r}"
     )
-    assert "identical tokens" in first_run, f"the notebook's second cell should compare naive and cached runs:\n{first_run}"
+    assert "SmolLM2-135M       30        3       64     45.0 KiB" in table, (
+        f"the notebook's second cell should print the default model's KV bytes per token:\n{table}"
+    )
 
 
-def test_lab_with_engine_impl_stages_imports_your_code(lab):
-    server = lab(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO="2")
-    channel = server.kernel_channel("scratch.ipynb")
-    try:
-        out = execute(channel, "import s02_request_and_sampling as a, s03_kv_cache as b; print(a.__file__); print(b.__file__)")
-    finally:
-        channel.close()
-    earlier, own = out.split()
+def test_with_engine_impl_stages_the_kernel_imports_your_code(tmp_path):
+    """The kernel spec tools/lab.py writes under ENGINE_IMPL=stages, run as Lab would run it (its argv's
+    Python, its env over the server's): stage packages come from the trees the switch says."""
+    switch = lab_tool.impl_switch.Switch.from_env({"ENGINE_IMPL": "stages", "ENGINE_REFERENCE_UPTO": "2"})
+    folder = lab_tool.write_kernel_spec(tmp_path, switch, str(lab_tool.impl_switch.SWITCH_SITE))
+    spec = json.loads((folder / "kernel.json").read_text())
+    assert "your code (stages/; stages 1-2 from solutions/)" in spec["display_name"], spec["display_name"]
+    probe = "import importlib.util as u; print(u.find_spec('s02_request_and_sampling').origin); print(u.find_spec('s03_kv_cache').origin)"
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS}
+    done = subprocess.run([spec["argv"][0], "-c", probe], env={**env, **spec["env"]}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    earlier, own = done.stdout.split()
     assert Path(earlier).is_relative_to(REPO / "solutions") and Path(own).is_relative_to(REPO / "stages"), (
         f"with ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=2 the kernel should import stage 2 from solutions/ and stage 3 "
-        f"from stages/; it imported {earlier} and {own}"
+        f"from stages/; it found {earlier} and {own}\n{done.stderr[-2000:]}"
     )
