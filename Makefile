@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 
-.PHONY: help setup check-env demo serve test grade prove-fail skeleton check-skeleton \
+.PHONY: help setup check-env demo serve lab test grade prove-fail mutants skeleton check-skeleton \
         test-gpu notebooks clean distclean
 
 help:
@@ -37,10 +37,12 @@ help:
 	@echo "  make demo             run the newest finished stage's milestone ($(DEMO_STAGE)): start the"
 	@echo "                       server, stream one chat through the openai client, stop it"
 	@echo "  make serve            the OpenAI-compatible server (reference code; ARGS=\"--port 8000 --model ...\")"
-	@echo "  make stage-N          test YOUR stage N (stages/); REFERENCE_UPTO=K borrows stages <= K"
+	@echo "  make stage-N          test YOUR stage N (stages/); REFERENCE_UPTO=K (K < N) borrows stages <= K"
 	@echo "  make upto-N           test your stages 1..N"
 	@echo "  make run-N            run stage N's milestone with your code (ARGS=\"...\" passes arguments)"
 	@echo "  make solution-N       run stage N's milestone with the reference code"
+	@echo "  make lab              JupyterLab on notebooks/ (localhost), the reference engine; ENGINE_IMPL=stages: yours"
+	@echo "                       (torch uses 1 thread in all of these unless OMP_NUM_THREADS says otherwise)"
 	@echo "Maintainers and instructors"
 	@echo "  make test             everything: reference tests, skeleton sync, fail-proof, notebooks"
 	@echo "  make test-gpu         GPU tests, GPU benchmarks, notebook 08 re-run; fails without a CUDA GPU"
@@ -49,6 +51,7 @@ help:
 	@echo "  make check-skeleton   fail if stages/ is out of sync with solutions/"
 	@echo "  make prove-fail       every graded test must fail on its stage's skeleton"
 	@echo "  make grade CHECKOUTS=\"dir1 dir2\" [STAGES=1-4] [ISOLATED=1]   score learners' checkouts (JUnit in reports/grades/)"
+	@echo "  make mutants [STAGES=5-7]   plant realistic learner bugs one at a time; kill rate per stage (about 30 min)"
 	@echo "  make clean            caches and reports; make distclean also removes .venv and models/"
 
 # ---- setup -----------------------------------------------------------------------------
@@ -73,6 +76,18 @@ check-env:
 
 # ---- learners ----------------------------------------------------------------------------
 
+# torch runs on one thread unless told otherwise (OMP_NUM_THREADS=2 make stage-4): on a busy 2-core
+# machine torch's two OpenMP threads wait on each other; one forward pass was measured 10-30x slower,
+# and make stage-1 took 180 s with the default threads, 35 s with one.
+stage-% upto-% run-% solution-%: export OMP_NUM_THREADS ?= 1
+lab: export OMP_NUM_THREADS ?= 1
+
+# REFERENCE_UPTO=K takes stages 1..K from solutions/. $(call reference_upto_check,N,what): refuse
+# (exit 2) when K >= N, since stage N itself would then be the reference.
+reference_upto_check = if [ -n "$(REFERENCE_UPTO)" ] && [ "$(REFERENCE_UPTO)" -ge "$(1)" ] 2>/dev/null; then \
+	  echo "error: REFERENCE_UPTO=$(REFERENCE_UPTO) takes stages 1..$(REFERENCE_UPTO) from solutions/, stage $(1) included:" \
+	       "$(2) the reference, not your code. Use REFERENCE_UPTO=$$(( $(1) - 1 )) or less (or make solution-$(1))."; exit 2; fi
+
 demo: setup
 	$(REFERENCE) $(PY) tools/impl_switch.py run $(DEMO_STAGE) $(if $(filter s09_%,$(DEMO_STAGE)),--demo) $(ARGS)
 
@@ -81,27 +96,37 @@ serve: setup
 
 stage-%: setup
 	@n=$$(printf %02d "$*" 2>/dev/null) || { echo "usage: make stage-N, N a stage number"; exit 2; }; \
+	$(call reference_upto_check,$*,this would grade); \
 	if ! ls tests/stage$$n/test_*.py >/dev/null 2>&1; then echo "stage $*: no tests yet (tests/stage$$n/test_*.py)"; exit 1; fi; \
 	$(LEARNER) $(PY) tools/impl_switch.py describe && \
 	$(LEARNER) $(PY) -m pytest tests/stage$$n -q --tb=short $(PYTEST_ARGS)
 
 upto-%: setup
-	@dirs=""; for i in $$(seq 1 "$*"); do d=tests/stage$$(printf %02d $$i); if ls $$d/test_*.py >/dev/null 2>&1; then dirs="$$dirs $$d"; fi; done; \
+	@$(call reference_upto_check,$*,this would grade); \
+	if [ "$(REFERENCE_UPTO)" -ge 1 ] 2>/dev/null; then \
+	  echo "note: REFERENCE_UPTO=$(REFERENCE_UPTO): the tests of stages 1..$(REFERENCE_UPTO) run on the reference, not on your code"; fi; \
+	dirs=""; for i in $$(seq 1 "$*"); do d=tests/stage$$(printf %02d $$i); if ls $$d/test_*.py >/dev/null 2>&1; then dirs="$$dirs $$d"; fi; done; \
 	if [ -z "$$dirs" ]; then echo "no graded tests for stages 1-$*"; exit 1; fi; \
 	$(LEARNER) $(PY) tools/impl_switch.py describe && \
 	$(LEARNER) $(PY) -m pytest $$dirs -q --tb=short $(PYTEST_ARGS)
 
 run-%: setup
+	@$(call reference_upto_check,$*,this would run)
 	$(LEARNER) $(PY) tools/impl_switch.py run $* $(ARGS)
 
 solution-%: setup
 	$(REFERENCE) $(PY) tools/impl_switch.py run $* $(ARGS)
 
+# JupyterLab on notebooks/, bound to localhost; the notebooks' kernel imports through the switch:
+# the reference unless ENGINE_IMPL=stages (then REFERENCE_UPTO=K borrows stages <= K as above).
+# ARGS passes JupyterLab options, e.g. ARGS="--no-browser --port 8890".
+lab: setup
+	ENGINE_IMPL=$${ENGINE_IMPL:-solutions} ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) $(PY) tools/lab.py $(ARGS)
+
 # ---- maintainers and instructors -------------------------------------------------------
 
-# The suite runs torch on one thread unless told otherwise: on a busy 2-core machine torch's
-# two OpenMP threads wait on each other and one forward pass was measured 10-30x slower.
-test prove-fail notebooks grade: export OMP_NUM_THREADS ?= 1
+# The suite runs torch on one thread unless told otherwise, for the reason given above the learners' targets.
+test prove-fail notebooks grade mutants: export OMP_NUM_THREADS ?= 1
 
 test: setup
 	$(PY) tools/make_skeleton.py --check
@@ -144,6 +169,11 @@ prove-fail: setup
 
 grade: setup
 	$(PY) tools/grade.py $(CHECKOUTS) $(if $(STAGES),--stages $(STAGES)) $(if $(ISOLATED),--isolated)
+
+# The course's own mutation check (tools/mutants.py): too slow for CI, which only checks that every
+# mutant still applies (tests/course/test_mutants.py). The kill rate goes in the README.
+mutants: setup
+	$(PY) tools/mutants.py $(if $(STAGES),--stages $(STAGES))
 
 clean:
 	find . -path ./$(VENV) -prune -o -type d \( -name __pycache__ -o -name .pytest_cache \

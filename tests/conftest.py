@@ -124,7 +124,7 @@ def tiny_models_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(params=FAMILIES)
 def tiny_model_dir(request, tiny_models_root) -> Path:
-    """A tiny random model folder of each family in turn (llama, llama3, qwen2, qwen3)."""
+    """A tiny random model folder of each family in turn (llama, llama3, qwen2, qwen3, llama_gqa_bias)."""
     return tiny_models_root / request.param
 
 

@@ -1,13 +1,68 @@
-"""Shared by the stage 6 and 7 tests: check the scheduler's and the radix tree's invariants, saying where."""
+"""Shared by the stage 6 and 7 tests: check the scheduler's and the radix tree's invariants, saying
+where, and make a radix cache's evict speak for itself when it frees what it must not."""
 
 from __future__ import annotations
+
+import torch
 
 
 def check_all(engine, what: str) -> None:
     """Raise AssertionError (prefixed with ``what``) unless the engine's memory bookkeeping holds."""
+    pending = getattr(engine.scheduler, "chunked_req", None)  # stage 7's half-prefilled request
+    if pending is not None and any(req is pending for req in engine.scheduler.running):
+        raise AssertionError(
+            f"{what}: request {pending.rid} is half prefilled (chunked_req) and still in the running list: a request "
+            "whose prefill is unfinished has no token to decode; it leaves the running list until its last chunk"
+        )
     try:
         engine.scheduler.check_invariants()
         if engine.tree_cache is not None:
             engine.tree_cache.check()
     except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
+        hint = ""
+        if engine.tree_cache is not None and "leaked" in str(error):
+            hint = ("\n  (with the radix cache, a leaving request's pages are either kept by the tree or freed: its own "
+                    "copies of tokens the tree already held - duplicates - and its last partial page must be freed)")
+        raise AssertionError(f"{what}: {error}{hint}") from None
+
+
+def watch_evict(cache):
+    """Wrap ``cache.evict`` (on this instance) so that, while it runs, every slot it frees is
+    checked: the slots of a node that still has children, or of one node a second time, fail
+    with a message about evict - rather than with the allocator's "double free" some frees later.
+    Returns the cache."""
+    real_evict, allocator = cache.evict, cache.allocator
+
+    def evict(num_tokens):
+        freed: list[list[int]] = []
+        own_free = vars(allocator).get("free")  # an instance attribute already there (None: the class's method)
+
+        def free(slots):
+            key = sorted(torch.as_tensor(slots).reshape(-1).tolist())
+            node = next((n for n in cache._all_nodes() if sorted(n.value.tolist()) == key), None) if key else None
+            if node is not None and node.children:
+                children = [len(child.key) for child in node.children.values()]
+                raise AssertionError(
+                    f"evict freed the slots of node {node.id} ({len(node.key)} tokens) while it still has {len(children)} "
+                    f"child(ren) (of {children} tokens), which hang below its tokens: only leaves are evicted. A parent "
+                    "joins the heap when its LAST child is gone (and nothing locks it)"
+                )
+            if key and key in freed:
+                raise AssertionError(
+                    f"evict freed the same node's {len(key)} slots twice: each node is evicted once (a parent joins the "
+                    "heap once, when its last child is gone; the heap starts with the unlocked leaves only)"
+                )
+            freed.append(key)
+            return (own_free or type(allocator).free.__get__(allocator))(slots)
+
+        allocator.free = free
+        try:
+            return real_evict(num_tokens)
+        finally:
+            if own_free is None:
+                del allocator.free
+            else:
+                allocator.free = own_free
+
+    cache.evict = evict
+    return cache

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-FAMILIES = ("llama", "llama3", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "llama_gqa_bias")
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 BOS_ID, EOS_ID = 256, 257  # <|im_start|>, <|im_end|>
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
@@ -31,6 +31,11 @@ _SHAPE = dict(
     rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
 )
 
+# 8 query heads share 1 KV head (8:1 GQA); head_dim 24 is not hidden_size / heads (8); every
+# projection has a bias (Llama's attention_bias and mlp_bias: the only path through o_proj's
+# bias); a vocabulary padded past the tokenizer's 259 ids, as real checkpoints often are.
+ODD_SHAPE = dict(num_attention_heads=8, num_key_value_heads=1, head_dim=24, intermediate_size=96, vocab_size=320)
+
 
 def family_config(family: str):
     if family == "llama":  # SmolLM2-like: tied embeddings, plain RoPE
@@ -43,6 +48,9 @@ def family_config(family: str):
         return Qwen2Config(**_SHAPE, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "qwen3":  # RMSNorm on q and k
         return Qwen3Config(**_SHAPE, tie_word_embeddings=False, rope_theta=1000000.0)
+    if family == "llama_gqa_bias":  # the shapes the others never take: see ODD_SHAPE
+        return LlamaConfig(**{**_SHAPE, **ODD_SHAPE}, tie_word_embeddings=False, rope_theta=10000.0,
+                           attention_bias=True, mlp_bias=True)
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 

@@ -90,9 +90,10 @@ class Scheduler:
         """Schedule requests onto ``runner`` (its pool, allocator and table).
 
         ``max_prefill_tokens``: prompt tokens admitted per step (a single longer prompt still
-        runs, alone in its step). ``new_token_ratio``: the share of each running request's
-        remaining max_new_tokens that admission keeps free for it. ``on_step`` receives a
-        ``StepTrace`` after every step (``trace.print_trace`` prints it as one line).
+        runs, as the only prefill of its step; the running requests' decodes ride along).
+        ``new_token_ratio``: the share of each running request's remaining max_new_tokens that
+        admission keeps free for it. ``on_step`` receives a ``StepTrace`` after every step
+        (``trace.print_trace`` prints it as one line).
         """
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -188,10 +189,13 @@ class Scheduler:
         return sum(slots_to_extend(req, self.page_size) for req in reqs)
 
     def future_slots(self, req: Req) -> int:
-        """Slots kept back for what ``req`` may still generate after its next pass:
-        ``new_token_ratio`` of its remaining max_new_tokens."""
+        """Slots kept back for what ``req`` may still generate after its next pass (which ends at
+        device_len): ``new_token_ratio`` of its remaining max_new_tokens, in the whole pages those
+        positions take. Counted in pages, a ratio of 1 keeps back exactly what it will use."""
         remaining = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
-        return math.ceil(self.new_token_ratio * max(remaining, 0))
+        tokens = math.ceil(self.new_token_ratio * max(remaining, 0))
+        p = self.page_size
+        return (pages_for(req.device_len + tokens, p) - pages_for(req.device_len, p)) * p
 
     def reserved_slots(self, reqs) -> int:
         """Slots admission keeps back for ``reqs``: their next pass and their future_slots."""
@@ -260,8 +264,9 @@ class Scheduler:
     def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
         rows (max_running_requests), prompt tokens this step (``budget``, by default
-        max_prefill_tokens: the first request of a step may exceed it, alone) and pool room,
-        after keeping back what the running requests need (their next pass and future_slots).
+        max_prefill_tokens: the first request of a step may exceed it, as its only prefill) and
+        pool room, after keeping back what the running requests need (their next pass and
+        future_slots).
         If nothing runs, the first in line is admitted whenever its prefill fits, whatever its
         future needs. The first request that does not fit stops admission: no one overtakes
         it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage

@@ -136,6 +136,8 @@ class RadixCache:
         self._update_lock(match.node, +1)
 
     def unlock(self, match: PrefixMatch) -> None:
+        """Undo one ``lock``. An unlock without a matching lock raises RuntimeError and changes
+        nothing: a negative count would let eviction free slots that a running request reads."""
         self._update_lock(match.node, -1)
 
     def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool) -> None:

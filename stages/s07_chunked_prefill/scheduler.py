@@ -46,7 +46,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def __init__(self, runner, prefix_cache, chunked_prefill_size: int | None = 512, **knobs):
         """``chunked_prefill_size``: the prompt tokens one step may compute; a prompt that does not
         fit what is left of it is cut there and continued in later steps. None: no chunking
-        (stage 6: a prompt is computed whole, alone in its step if it is longer than the budget).
+        (stage 6: a prompt is computed whole, as its step's only prefill if it is longer than
+        the budget).
         ``prefix_cache`` must offer ``cache_unfinished_req`` (see prefix_cache.py); ``knobs``:
         stage 6's (schedule_policy, max_prefill_tokens, new_token_ratio, on_step, clock)."""
         if chunked_prefill_size is not None and chunked_prefill_size < 1:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.sampler import min_p_mask, sample, top_k_mask, top_p_mask
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 N_DRAWS = 20_000  # one row per draw, each with its own seed; all in one batched call
@@ -86,7 +86,24 @@ def test_greedy_rows_stay_exact_in_a_mixed_batch():
                     f"token {int(logits[row].argmax())}, your sampler picked {got[row]}"
                 )
             else:
-                assert 0 <= got[row] < 300, f"step {step}, row {row}: token {got[row]} is outside the vocabulary"
+                assert 0 <= got[row] < 300, (
+                    f"step {step}, row {row} ({p}): your sampler picked token {got[row]}, outside the vocabulary of 300"
+                    + empty_filters(logits[row], p)
+                )
+
+
+def empty_filters(logits_row: torch.Tensor, params: SamplingParams) -> str:
+    """Why a sampled row may have had nothing to draw from: the filters that dropped its most likely token."""
+    probs = torch.softmax(logits_row / params.temperature, dim=-1)[None]
+    masks = {"top_k_mask": lambda: top_k_mask(probs, torch.tensor([params.top_k])),
+             "top_p_mask": lambda: top_p_mask(probs, torch.tensor([params.top_p])),
+             "min_p_mask": lambda: min_p_mask(probs, torch.tensor([params.min_p]))}
+    dropped = [name for name, mask in masks.items() if not bool(mask()[0, int(probs.argmax())])]
+    if not dropped:
+        return ""
+    return (f": {', '.join(dropped)} dropped the most likely token, so the kept set may be empty. Every filter keeps "
+            "at least the most likely token (top-p: a token stays when the tokens MORE likely than it hold less than "
+            "top_p; min-p: relative to the most likely token's probability)")
 
 
 # --- the sampled distribution -----------------------------------------------------------------

@@ -34,6 +34,7 @@ BAD = [
     ("stop_token_ids", [1.5], "a fractional token id"),
     ("seed", -1, "a negative seed"),
     ("seed", 1.5, "a fractional seed"),
+    ("seed", 2**64, "a seed over 2**64 - 1 (torch's generator takes an unsigned 64-bit seed)"),
 ]
 
 
@@ -60,6 +61,7 @@ GOOD = [
     dict(stop=["\n\n", "END"], stop_token_ids=[0, 7]),
     dict(ignore_eos=True, seed=0),
     dict(seed=2**63),
+    dict(seed=2**64 - 1),
 ]
 
 

@@ -33,15 +33,27 @@ def workload(count: int, seed: int, max_prompt: int = 48, max_new: int = 16):
     return prompts, limits
 
 
+def retraction_workload():
+    """Ten requests that outgrow a 128-slot pool when admitted with new_token_ratio=0."""
+    prompts, limits = workload(10, seed=11, max_prompt=24, max_new=24)
+    return prompts, [max(n, 14) for n in limits]  # long enough that the running requests outgrow the pool
+
+
 def run_to_end(engine, check_every_step: bool = True, max_steps: int = 10_000):
     """Step the engine until it has no work, checking the scheduler's invariants after each step."""
     steps = 0
     with torch.inference_mode():
         while engine.has_work:
-            engine.step()
+            finished = [out.rid for out in engine.step() if out.finish_reason is not None]
             steps += 1
             if check_every_step:
-                engine.scheduler.check_invariants()
+                try:
+                    engine.scheduler.check_invariants()
+                except AssertionError as error:
+                    raise AssertionError(
+                        f"after step {steps} (requests that finished in it: {finished}; a finished request is released "
+                        f"in the step it finishes, its slots and table row freed at once): {error}"
+                    ) from None
             assert steps < max_steps, f"the engine still has work after {max_steps} steps: is a request stuck?"
     return steps
 

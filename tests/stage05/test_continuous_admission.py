@@ -1,12 +1,13 @@
-"""Stage 5 (graded): admission - first come first served, within the prefill token budget, the
-request rows and the pool's room (a request's own cached prefix is not room) - and what the
-offline API returns: outputs in input order, per-request stats, and a trace line per step."""
+"""Stage 5 (graded): admission - first come first served (nobody overtakes a head that does not
+fit), within the prefill token budget, the request rows and the pool's room (keeping room for an
+admitted request's own future tokens; its own cached prefix is not room) - and what the offline
+API returns: outputs in input order, per-request stats, and a trace line per step."""
 
 from __future__ import annotations
 
 import re
 
-from continuous_helpers import assert_pool_free, greedy, run_to_end, tiny_engine, workload
+from continuous_helpers import assert_pool_free, greedy, retraction_workload, run_to_end, tiny_engine, workload
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -36,7 +37,7 @@ def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_r
         tokens = sum(len(prompts[rid]) for rid in new)
         assert tokens <= budget or len(new) == 1, (
             f"step {trace.step}: admitted {new} with {tokens} prompt tokens in total, over max_prefill_tokens={budget}; "
-            "only a single request may exceed the budget (alone in its step)"
+            "only a single request may exceed the budget (as the only prefill of its step)"
         )
         admitted_order += new
         next_in_line += len(new)
@@ -54,7 +55,7 @@ def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_r
     assert_pool_free(engine, "FCFS workload")
 
 
-def test_a_prompt_longer_than_the_prefill_budget_runs_alone(tiny_models_root):
+def test_a_prompt_longer_than_the_prefill_budget_is_the_only_prefill_of_its_step(tiny_models_root):
     path = tiny_models_root / "llama"
     long_prompt, short = list(b"x" * 20 + b"a prompt longer than the budget of 32 tokens"), list(b"short")
     engine, recorder, traces = tiny_engine(path, pool_size=512, max_running_requests=4, max_prefill_tokens=32)
@@ -65,6 +66,10 @@ def test_a_prompt_longer_than_the_prefill_budget_runs_alone(tiny_models_root):
     assert long_steps and long_steps[0].prefill_rids == [1], (
         f"the {len(long_prompt)}-token prompt is over max_prefill_tokens=32: it must be admitted as the only prefill of "
         f"its step; steps with it: {[(t.step, t.prefill_rids) for t in long_steps]}"
+    )
+    assert long_steps[0].decode_rids == [0], (
+        f"request 0 was running when the long prompt was admitted: its decode rides in the same pass (only the "
+        f"prefills are rationed); that step decoded {long_steps[0].decode_rids}"
     )
     assert_pool_free(engine, "long prompt")
 
@@ -119,6 +124,17 @@ def test_trace_prints_one_line_per_step(tiny_models_root, capsys):
     assert admitted == len(prompts), f"the lines' prefill counts add up to {admitted} admissions for {len(prompts)} requests"
 
 
+def admit_only_the_first(scheduler, reqs, why: str) -> None:
+    """Queue ``reqs`` and run one admission: only the first may be admitted (``why`` says why)."""
+    __tracebackhide__ = True
+    for req in reqs:
+        scheduler.add_request(req)
+    admitted = [req.rid for req in scheduler.admit_new_requests()]
+    assert admitted == [reqs[0].rid], f"admitted {admitted}, expected only request {reqs[0].rid}{why}"
+    waiting = [req.rid for req in scheduler.waiting]
+    assert waiting == [req.rid for req in reqs[1:]], f"the others should still wait in order, the queue is {waiting}"
+
+
 class OnePrefixCache:
     """A stand-in prefix cache holding the K/V of one prefix, in slots it owns and no request
     uses: room admission may count (evictable) - except for a request that reads those very
@@ -154,18 +170,76 @@ def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_mode
     prefix = list(range(40, 56))
     cache = OnePrefixCache(runner.allocator, prefix)
     scheduler = Scheduler(runner, prefix_cache=cache, new_token_ratio=0.0)
-    first = Req(0, list(b"no match"), greedy(2))
-    second = Req(1, prefix + [60 + i % 40 for i in range(60)], greedy(1))
-    for req in (first, second):
-        scheduler.add_request(req)
-    admitted = scheduler.admit_new_requests()
-    assert [req.rid for req in admitted] == [0], (
-        f"admitted {[req.rid for req in admitted]}, expected only request 0: request 1 needs 60 fresh slots and the room "
-        "is 56 (64 free - 8 kept for request 0). Its own cached prefix (16 evictable slots) is not room it could evict "
-        "for itself: count the room while its match is locked (prefix_cache.lock / unlock around the check)"
-    )
-    assert [req.rid for req in scheduler.waiting] == [1], f"request 1 should still wait, the queue is {[r.rid for r in scheduler.waiting]}"
+    admit_only_the_first(scheduler, [Req(0, list(b"no match"), greedy(2)), Req(1, prefix + [60 + i % 40 for i in range(60)], greedy(1))], (
+        ": request 1 needs 60 fresh slots and the room is 56 (64 free - 8 kept for request 0). Its own cached prefix "
+        "(16 evictable slots) is not room it could evict for itself: count the room while its match is locked "
+        "(prefix_cache.lock / unlock around the check)"
+    ))
     assert cache.locks == 0, (
         f"the cached prefix is still locked {cache.locks} time(s), but no admitted request reads it: "
         "undo the lock taken to measure the room (unlock) whether or not the request is admitted"
     )
+
+
+def test_a_request_whose_future_does_not_fit_waits_while_another_runs(tiny_models_root):
+    # Pool of 64 slots, new_token_ratio=1: request 0 (8 prompt tokens, 8 new) keeps 8 + 7 = 15 slots,
+    # leaving 49. Request 1's prompt (20 tokens) fits in 49, but with the 30 tokens it may still
+    # generate after its first it needs 50: admitted now, it would run short later.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=64, max_running_requests=4, max_context_len=128)
+    scheduler = Scheduler(runner, new_token_ratio=1.0)
+    admit_only_the_first(scheduler, [Req(0, list(b"8 tokens"), greedy(8)), Req(1, list(b"x" * 20), greedy(31))], (
+        ". With new_token_ratio=1, request 0 keeps 15 slots (8 for its prompt, 7 for its future tokens), leaving 49 of "
+        "64. Request 1's prefill (20 slots) fits, but with the 30 future tokens it may still generate it needs 50: "
+        "admission must keep room for an admitted request's own future too (need = prefill slots + future_slots(req)), "
+        "or it runs short later"
+    ))
+
+
+def test_with_a_ratio_of_1_nothing_admitted_ever_runs_short(tiny_models_root):
+    """The scheduler's promise: new_token_ratio=1 keeps back everything an admitted request may
+    still need, so no request is ever retracted - on pools that retract at a ratio of 0."""
+    path = tiny_models_root / "llama3"
+    mixed = retraction_workload()
+    # 16-token prompts, 2 new tokens each: every request needs a second page of 16 for its last position.
+    one_page_prompts = ([list(bytes([65 + i]) * 16) for i in range(5)], [2] * 5)
+    for (prompts, limits), pool, page_size in ((mixed, 128, 1), (one_page_prompts, 64, 16)):
+        what = f"a {pool}-slot pool in pages of {page_size}, {len(prompts)} requests"
+        counts = {}
+        for ratio in (0.0, 1.0):
+            engine, _, _ = tiny_engine(path, pool_size=pool, page_size=page_size, max_running_requests=8, new_token_ratio=ratio)
+            reqs = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, limits)]
+            run_to_end(engine)
+            counts[ratio] = engine.scheduler.stats.num_retractions
+            for i, (req, prompt, n) in enumerate(zip(reqs, prompts, limits)):
+                assert_same_tokens(req.output_ids, hf_greedy(path, prompt, n), f"{what}, new_token_ratio={ratio}: request {i}, vs transformers")
+            assert_pool_free(engine, f"{what}, new_token_ratio={ratio}")
+        assert counts[0.0] > 0, f"{what}: at new_token_ratio=0 the running requests must outgrow the pool, yet nothing was retracted"
+        assert counts[1.0] == 0, (
+            f"{what}: with new_token_ratio=1 admission keeps room for every admitted request's remaining tokens, so nothing "
+            f"admitted can ever run short; yet {counts[1.0]} retraction(s) happened. Admission must count an admitted "
+            "request's own future (need = prefill slots + future_slots(req)), not only its prefill"
+        )
+
+
+def test_a_head_that_does_not_fit_is_not_overtaken(tiny_models_root):
+    # Pool of 64, new_token_ratio=0: request 0 (40 tokens) runs; request 1 (30 tokens) does not fit the
+    # 24 slots left; request 2 (5 tokens) would fit, but it came after request 1: first come, first served.
+    path = tiny_models_root / "qwen2"
+    prompts = [list(b"a" * 40), list(b"b" * 30), list(b"c" * 5)]
+    engine, _, traces = tiny_engine(path, pool_size=64, max_running_requests=4, new_token_ratio=0.0)
+    reqs = [engine.add_request(p, greedy(4)) for p in prompts]
+    run_to_end(engine)
+    first_admission = []
+    for trace in traces:
+        first_admission += [rid for rid in trace.prefill_rids if rid not in first_admission]
+    for k, rid in enumerate(first_admission):
+        earlier = [other for other in range(rid) if other not in first_admission[:k]]
+        assert not earlier, (
+            f"request {rid} overtook request {earlier[0]}: {earlier[0]} was first in line and did not fit the pool, and a "
+            f"later request was admitted before it (admission order {first_admission}). The first request that does not "
+            "fit stops admission (first come, first served): nobody overtakes it, so nobody starves"
+        )
+    for i, (req, prompt) in enumerate(zip(reqs, prompts)):
+        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 4), f"request {i} ({len(prompt)}-token prompt), vs transformers")
+    assert_pool_free(engine, "a head that does not fit")

@@ -6,19 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from continuous_helpers import assert_pool_free, greedy, run_to_end, tiny_engine, workload
+from continuous_helpers import assert_pool_free, greedy, retraction_workload, run_to_end, tiny_engine
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
 from s03_kv_cache.generate import cached_generate
 
 
-def retraction_workload():
-    prompts, limits = workload(10, seed=11, max_prompt=24, max_new=24)
-    return prompts, [max(n, 14) for n in limits]  # long enough that the running requests outgrow the pool
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_retraction_under_a_small_pool_keeps_tokens_identical(tiny_models_root, page_size):
     path = tiny_models_root / "llama3"
     prompts, limits = retraction_workload()

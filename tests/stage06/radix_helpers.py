@@ -1,11 +1,12 @@
 """Shared by the stage-6 tests: tiny-model engines with and without the radix cache, whose forward
-passes are recorded, and a runner that checks every invariant after every step."""
+passes are recorded and whose evictions are watched (invariants.watch_evict), and a runner that
+checks every invariant after every step."""
 
 from __future__ import annotations
 
 import torch
 
-from invariants import check_all
+from invariants import check_all, watch_evict
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -16,6 +17,8 @@ def radix_engine(path, enable_radix_cache: bool = True, **knobs):
     """(engine, recorder) on a tiny model; knobs go to the stage-6 Engine (pool_size, ...)."""
     recorder = PassRecorder(engine_model(str(path)))
     engine = Engine(recorder, engine_tokenizer(str(path)), enable_radix_cache=enable_radix_cache, **knobs)
+    if engine.tree_cache is not None:
+        watch_evict(engine.tree_cache)
     return engine, recorder
 
 

@@ -95,7 +95,7 @@ def test_prefill_tokens_computed_are_exactly_the_uncached_ones(tiny_models_root)
     assert_nothing_held_but_the_tree(engine, "qwen3, prefill counting")
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_eviction_under_memory_pressure_keeps_outputs_identical(tiny_models_root, page_size):
     path = tiny_models_root / "llama3"
     rng = random.Random(7)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from invariants import watch_evict
 from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
 from s06_radix_cache.radix_cache import RadixCache
 
@@ -30,7 +31,7 @@ def finish(cache, allocator, tokens, insert=True):
 
 def test_match_returns_the_longest_prefix_and_its_slots():
     allocator = TokenToKVPoolAllocator(64)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     slots = finish(cache, allocator, [1, 2, 3, 4, 5])
     for query, n in [([1, 2, 3, 4, 5], 5), ([1, 2, 3, 4, 5, 6, 7], 5), ([1, 2, 9], 2), ([7, 1, 2], 0), ([], 0)]:
         match = cache.match_prefix(query)
@@ -43,7 +44,7 @@ def test_match_returns_the_longest_prefix_and_its_slots():
 
 def test_divergence_inside_an_edge_splits_it():
     allocator = TokenToKVPoolAllocator(64)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     a = finish(cache, allocator, [1, 2, 3, 4, 5, 6])
     b = finish(cache, allocator, [1, 2, 3, 7, 8])
     root_children = list(cache.root.children.values())
@@ -68,7 +69,7 @@ def test_divergence_inside_an_edge_splits_it():
 
 def test_duplicate_slots_are_freed_when_the_prefix_is_already_cached():
     allocator = TokenToKVPoolAllocator(64)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     # Two requests with the same prompt run at once: neither finds the other's K/V, both compute it.
     first, m1 = compute(cache, allocator, [5, 6, 7, 8])
     second, m2 = compute(cache, allocator, [5, 6, 7, 8, 9])
@@ -85,7 +86,7 @@ def test_duplicate_slots_are_freed_when_the_prefix_is_already_cached():
 
 def test_locked_nodes_survive_eviction_and_lru_goes_first():
     allocator = TokenToKVPoolAllocator(64)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     finish(cache, allocator, [1, 1, 1])
     finish(cache, allocator, [2, 2, 2])
     finish(cache, allocator, [3, 3, 3])
@@ -106,9 +107,38 @@ def test_locked_nodes_survive_eviction_and_lru_goes_first():
     cache.check()
 
 
+def test_an_unlock_without_a_matching_lock_raises_and_changes_nothing():
+    allocator = TokenToKVPoolAllocator(64)
+    cache = watch_evict(RadixCache(allocator))
+    finish(cache, allocator, [1, 2, 3, 4])
+    finish(cache, allocator, [1, 2, 5])
+    locked = cache.match_prefix([1, 2, 5])
+    cache.lock(locked)
+    never_locked = cache.match_prefix([1, 2, 3, 4])
+    before = (cache.evictable_size_, cache.protected_size_, [(n.id, n.lock_ref) for n in cache._all_nodes()])
+    try:
+        cache.unlock(never_locked)
+    except NotImplementedError:
+        raise
+    except (RuntimeError, ValueError):
+        pass
+    else:
+        pytest.fail(
+            "unlock() of a match nobody locked was accepted: [3, 4] is not locked, so its lock count would go below 0. "
+            "Raise RuntimeError (a negative count would let eviction free slots a running request reads)"
+        )
+    after = (cache.evictable_size_, cache.protected_size_, [(n.id, n.lock_ref) for n in cache._all_nodes()])
+    assert after == before, (
+        "a refused unlock must change nothing; (evictable, protected, [(node, lock_ref)]) went from "
+        f"{before} to {after} (check before changing a count, or walk the whole path first)"
+    )
+    cache.unlock(locked)
+    cache.check()
+
+
 def test_parent_becomes_evictable_after_its_children_go():
     allocator = TokenToKVPoolAllocator(64)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     finish(cache, allocator, [1, 2, 3, 4])
     finish(cache, allocator, [1, 2, 5, 6])
     assert cache.evict(6) == 6 and cache.total_size() == 0, (
@@ -120,7 +150,7 @@ def test_parent_becomes_evictable_after_its_children_go():
 
 def test_pages_match_in_whole_pages():
     allocator = TokenToKVPoolAllocator(64, page_size=4)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     finish(cache, allocator, list(range(10, 20)))  # 10 tokens: two whole pages cached, the partial third freed
     assert cache.total_size() == 8 and allocator.size - allocator.available_size() == 8, (
         f"page size 4: a 10-token sequence keeps its 2 whole pages (8 tokens) and frees its partial page; the tree "
@@ -140,7 +170,7 @@ OPS = st.sampled_from(["start", "start", "finish", "finish", "evict"])
 @given(data=st.data())
 def test_random_operations_keep_the_invariants(page_size, data):
     allocator = TokenToKVPoolAllocator(96, page_size=page_size)
-    cache = RadixCache(allocator)
+    cache = watch_evict(RadixCache(allocator))
     content = {}  # slot -> the token sequence whose last token's K/V it holds (what "K/V" means here)
     running = []  # (tokens, slots, match)
     for step in range(data.draw(st.integers(5, 40), label="ops")):

@@ -10,7 +10,7 @@ import random
 import torch
 
 import s05_continuous_batching.scheduler as stage5_scheduler
-from invariants import check_all  # noqa: F401 (the tests import it from here)
+from invariants import check_all, watch_evict  # noqa: F401 (the tests import check_all from here)
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -21,6 +21,8 @@ def chunked_engine(path, chunked_prefill_size, **knobs):
     """(engine, recorder) on a tiny model; knobs go to the stage-7 Engine (pool_size, ...)."""
     recorder = PassRecorder(engine_model(str(path)))
     engine = Engine(recorder, engine_tokenizer(str(path)), chunked_prefill_size=chunked_prefill_size, **knobs)
+    if engine.tree_cache is not None:
+        watch_evict(engine.tree_cache)
     return engine, recorder
 
 

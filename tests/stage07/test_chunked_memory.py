@@ -12,7 +12,7 @@ import torch
 from chunked_helpers import assert_pool_free_after_tree, check_all, chunked_engine, greedy, random_prompt, run_checked
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
-from s06_radix_cache.engine import Engine as RadixEngine
+from s07_chunked_prefill.engine import Engine
 from s07_chunked_prefill.prefix_cache import RadixCache
 
 
@@ -49,6 +49,52 @@ def test_cache_unfinished_req_moves_the_lock_and_frees_duplicates():
     assert allocator.available_size() == allocator.size, "evicting the tree must free every slot exactly once"
 
 
+class EagerRadixCache(RadixCache):
+    """A radix cache under memory pressure: whatever becomes evictable is evicted at once. A real
+    server may evict between any two calls (another request's allocation needs room), so code
+    that is correct for the radix cache is correct for this one too."""
+
+    def unlock(self, match):
+        super().unlock(match)
+        self.evict(self.evictable_size())
+
+
+def test_cache_unfinished_req_locks_the_new_match_before_unlocking_the_old():
+    allocator = TokenToKVPoolAllocator(64, page_size=1)
+    cache = EagerRadixCache(allocator)
+    tokens = list(range(1, 13))
+    match = cache.match_prefix(tokens[:0])  # a fresh request matched nothing
+    cache.lock(match)
+    for start, end in ((0, 6), (6, 12)):  # two chunks
+        last = int(match.slots[-1]) if match.cached_len else 0
+        slots = torch.cat([match.slots, allocator.alloc_extend([start], [end], [last])])
+        match = cache.cache_unfinished_req(tokens[:end], slots, match)
+        what = f"cache_unfinished_req after the chunk of tokens {start}..{end - 1}, with a cache that evicts whatever becomes evictable"
+        freed = [s for s in match.slots.tolist() if not bool(allocator.page_allocated[s])]
+        assert match.cached_len == end and not freed and match.node in cache._all_nodes(), (
+            f"{what}: the request's new match ({match.cached_len} tokens) was evicted from under it (slots {freed[:6]} are free "
+            "again): between unlocking the old match and locking the new one, its tokens were an unlocked leaf. Lock the "
+            "new match BEFORE unlocking the old one"
+        )
+        assert cache.protected_size_ == end, f"{what}: the request's {end} tokens must be locked, {cache.protected_size_} are"
+        cache.check()
+
+
+def test_chunked_prefill_with_a_cache_that_evicts_at_once(tiny_models_root):
+    path = tiny_models_root / "llama3"
+
+    class EagerEngine(Engine):
+        radix_cache_class = EagerRadixCache
+
+    engine = EagerEngine(engine_model(str(path)), engine_tokenizer(str(path)), chunked_prefill_size=7, pool_size=256)
+    prompts = [random_prompt(n, seed=n) for n in (30, 4, 19)]
+    what = "llama3, chunked_prefill_size=7, a radix cache that evicts whatever becomes evictable at once"
+    reqs = run_checked(engine, prompts, greedy(5), what)
+    for i, (req, prompt) in enumerate(zip(reqs, prompts)):
+        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 5), f"{what}: request {i} vs transformers")
+    assert_pool_free_after_tree(engine, what)
+
+
 def test_finished_chunks_are_reused_by_a_request_sharing_the_prefix(tiny_models_root):
     path = tiny_models_root / "llama"
     budget = 8
@@ -61,7 +107,10 @@ def test_finished_chunks_are_reused_by_a_request_sharing_the_prefix(tiny_models_
         for _ in range(4):  # chunks 0..31 done; the request is half prefilled
             engine.step()
             check_all(engine, what)
-        assert engine.scheduler.chunked_req is first, f"{what}: after 4 steps the long request should be half prefilled"
+        assert engine.scheduler.chunked_req is first, (
+            f"{what}: after 4 steps the long request should be half prefilled (32 of its 50 tokens computed, 8 per "
+            "step): a prompt longer than what is left of the step's budget is cut there and continued next step"
+        )
         in_tree = engine.tree_cache.total_size()
         assert in_tree >= 32, f"{what}: after 4 chunks of 8 its 32 computed tokens should be in the tree, it holds {in_tree}"
         second = engine.add_request(twin, greedy(4))
@@ -81,8 +130,7 @@ def test_small_pool_retracts_the_half_prefilled_request_and_recovers(tiny_models
     path = tiny_models_root / "qwen3"
     prompts = [random_prompt(n, seed=n) for n in (6, 9, 70, 5, 40)]
     limits = [30, 25, 4, 30, 6]
-    model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
-    expected = RadixEngine(model, tokenizer, pool_size=1024).generate(prompts, [greedy(n) for n in limits])
+    expected = [hf_greedy(path, prompt, n) for prompt, n in zip(prompts, limits)]
     for radix in (True, False):
         what = f"qwen3, pool of 128 slots, chunked_prefill_size=6, new_token_ratio=0, radix cache {'on' if radix else 'off'}"
         engine, _ = chunked_engine(path, 6, pool_size=128, new_token_ratio=0.0, enable_radix_cache=radix)
@@ -100,7 +148,7 @@ def test_small_pool_retracts_the_half_prefilled_request_and_recovers(tiny_models
         reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
         assert retracted_mid_prefill, f"{what}: the workload is built to run short while a prompt is half prefilled, yet no half-prefilled request was retracted"
         for i, (req, ref) in enumerate(zip(reqs, expected)):
-            assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} vs an unchunked engine with a big pool")
+            assert_same_tokens(req.output_ids, ref, f"{what}: request {i} vs transformers")
         assert_pool_free_after_tree(engine, what)
 
 

@@ -88,3 +88,19 @@ def test_a_step_reports_no_token_for_a_request_mid_prefill(tiny_models_root):
         first = req.time_stats.first_token
         assert first is not None and len(req.output_ids) == 4, f"{what}: request {req.rid} ended with {len(req.output_ids)} tokens"
         assert len(req.time_stats.scheduled) == 1, f"{what}: request {req.rid} was admitted {len(req.time_stats.scheduled)} times"
+
+
+def test_chunked_prefill_size_none_computes_every_prompt_whole(tiny_models_root):
+    path = tiny_models_root / "llama3"
+    engine, recorder = chunked_engine(path, None, pool_size=512, max_prefill_tokens=16)
+    prompts = [random_prompt(40, seed=40), random_prompt(6, seed=6)]
+    what = "llama3, chunked_prefill_size=None (no chunking), max_prefill_tokens=16, prompts of 40 and 6 tokens"
+    reqs = run_checked(engine, prompts, greedy(4), what)
+    prefill_rows = [[e for e, p in zip(extend_lens, prefix_lens) if p == 0] for extend_lens, prefix_lens in recorder.passes]
+    assert prefill_rows[0] == [40], (
+        f"{what}: chunked_prefill_size=None turns chunking off (stage 6's behaviour): the 40-token prompt is computed "
+        f"whole in one pass, as its step's only prefill since it is longer than max_prefill_tokens; the passes' prefill rows "
+        f"were {[rows for rows in prefill_rows if rows]}"
+    )
+    for req, prompt in zip(reqs, prompts):
+        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 4), f"{what}: request {req.rid} vs transformers")

@@ -1,19 +1,18 @@
 """Stage 7 (graded): chunking changes how a prompt is computed, never which tokens come out.
 
-For chunk budgets from 1 token upwards, with and without the radix cache, with pages of 1 and of
-4 slots, prompts longer than the budget by one token and by many chunks give every request the
-tokens it gets unchunked (stage 6's engine) and from transformers; the forward passes never
-compute more prompt tokens than the budget; seeded sampling gives the same tokens too."""
+For chunk budgets from 1 token upwards, with and without the radix cache, with pages of 1, 4 and
+16 slots, prompts longer than the budget by one token and by many chunks give every request the
+tokens transformers gives it; the forward passes never compute more prompt tokens than the
+budget; seeded sampling gives the tokens the request gets alone (stage 3), whatever the budget."""
 
 from __future__ import annotations
 
 import pytest
 
 from chunked_helpers import assert_pool_free_after_tree, chunked_engine, greedy, random_prompt, run_checked
-from reference import assert_same_tokens, hf_greedy
+from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s06_radix_cache.engine import Engine as RadixEngine
-from reference import engine_model, engine_tokenizer
+from s03_kv_cache.engine import generate as stage3_generate
 
 
 def workload(budget: int):
@@ -46,22 +45,20 @@ def test_greedy_tokens_identical_to_unchunked_and_transformers(tiny_model_dir, b
 
 
 @pytest.mark.parametrize("enable_radix_cache", [True, False], ids=["radix", "no-radix"])
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_every_budget_gives_the_unchunked_tokens(tiny_models_root, enable_radix_cache, page_size):
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_every_budget_and_page_size_gives_the_tokens_of_transformers(tiny_models_root, enable_radix_cache, page_size):
     path = tiny_models_root / "qwen2"
     shared = random_prompt(23, seed=7)
     prompts = [shared + random_prompt(n, seed=n) for n in (2, 17, 31, 1)] + [random_prompt(41, seed=3), shared[:9]]
     limits = [6, 3, 5, 4, 6, 5]
-    model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
-    unchunked = RadixEngine(model, tokenizer, enable_radix_cache=False, pool_size=1024)
-    expected = unchunked.generate(prompts, [greedy(n) for n in limits])
+    expected = [hf_greedy(path, prompt, n) for prompt, n in zip(prompts, limits)]
     for budget in (1, 3, 8, 40, 64):
         what = f"qwen2, chunked_prefill_size={budget}, page_size={page_size}, radix cache {'on' if enable_radix_cache else 'off'}"
         engine, _ = chunked_engine(path, budget, page_size=page_size, enable_radix_cache=enable_radix_cache,
                                    pool_size=1024, max_running_requests=4)
         reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
         for i, (req, ref) in enumerate(zip(reqs, expected)):
-            assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} ({len(prompts[i])}-token prompt) vs unchunked")
+            assert_same_tokens(req.output_ids, ref, f"{what}: request {i} ({len(prompts[i])}-token prompt) vs transformers")
         assert_pool_free_after_tree(engine, what)
 
 
@@ -72,10 +69,10 @@ def test_seeded_sampling_is_independent_of_the_budget(tiny_models_root):
     prompts = [random_prompt(n, seed=n) for n in (37, 5, 60, 12)]
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=10 + i, max_new_tokens=8, ignore_eos=True) for i in range(4)]
     model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
-    expected = RadixEngine(model, tokenizer, pool_size=1024).generate(prompts, params)
+    expected = stage3_generate(model, tokenizer, prompts, params)  # each request alone, unchunked
     for budget in (1, 6, 25):
         what = f"llama3, seeded sampling, chunked_prefill_size={budget}"
         engine, _ = chunked_engine(path, budget, pool_size=1024)
         reqs = run_checked(engine, prompts, params, what)
         for i, (req, ref) in enumerate(zip(reqs, expected)):
-            assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} (seed {params[i].seed}) vs unchunked")
+            assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} (seed {params[i].seed}) vs alone, unchunked (stage 3)")

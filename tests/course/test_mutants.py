@@ -1,0 +1,26 @@
+"""The mutation check's catalogue still applies to the current solutions (not graded).
+
+`make mutants` plants each realistic learner bug of tools/mutants.py into a copy of solutions/
+and runs its stage's graded tests; that takes about half an hour, so CI only checks that
+every mutant still applies: its old text is found once, inside an exercise region, the mutated
+file compiles, and every stage keeps at least five mutants."""
+
+from __future__ import annotations
+
+import pytest
+
+import mutants
+
+
+def test_every_mutant_applies_to_the_solutions():
+    problems = mutants.check_all(mutants.REPO / "solutions")
+    assert not problems, "tools/mutants.py no longer fits solutions/; update the mutants:\n  " + "\n  ".join(problems)
+
+
+def test_an_edit_outside_an_exercise_region_is_refused():
+    text = "def f():\n    x = 1\n    # BEGIN EXERCISE: return two\n    return 2\n    # END EXERCISE\n"
+    inside = mutants.Mutant("t", "s01_x/f.py", "idea", mutants.edit("return 2", "return 3"), "two")
+    assert "return 3" in mutants.mutate(inside, text)
+    for old in ("x = 1", "return"):  # outside the region; found twice
+        with pytest.raises(ValueError):
+            mutants.mutate(mutants.Mutant("t", "s01_x/f.py", "idea", mutants.edit(old, "pass"), "two"), text)
