@@ -235,7 +235,7 @@ class RequestGuard:
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
                 return await error_response(408, f"the request body did not arrive within {self.read_timeout:g} s")(
                     scope, receive, send)
             if message["type"] == "http.disconnect":

@@ -11,7 +11,8 @@ stays open forever, and any number of connections may be open at once. Here:
 - ``--max-connections``: uvicorn's ``limit_concurrency``, open connections and requests in
   progress together; beyond it uvicorn answers 503 itself. It sits above the queue cap
   (whose 503 carries OpenAI's body and Retry-After) and below the usual limit of 1024 open files.
-- h11 refuses a request head larger than 16 KiB (its own default, kept).
+- A request head is bounded by h11 (kept as it is): it buffers at most 16 KiB of a head that has
+  not arrived whole, so a head much over uvicorn's 64 KiB reads is refused with 400.
 - On SIGTERM / Ctrl-C, ``on_exit`` runs first (the API server tells every request in flight that
   it was cut short), then uvicorn's graceful shutdown: no new connections, open ones closed once
   their answer is complete (at most 2 s).
