@@ -90,8 +90,9 @@ def serve_messages(name: str, recv: zmq.Socket, handle: Callable[[object], None]
         heartbeats.beat(name)
         if not recv.poll(IDLE_POLL_MS):
             continue
-        message = recv.recv_pyobj()
+        message = None
         try:
+            message = recv.recv_pyobj()
             handle(message)
         except Exception as error:
             rid = getattr(message, "rid", None)

@@ -95,6 +95,8 @@ class SchedulerProcess:
                 messages.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
             except zmq.Again:
                 return messages
+            except Exception:  # a message that cannot even be unpickled: dropped, said
+                logger.exception("the scheduler dropped a message it could not read")
 
     def process_input_request(self, message) -> None:
         """One message; whatever it raises is logged and answered to its request (500), and the

@@ -22,7 +22,7 @@ NAMED_TEMPLATE = (
 # The guarded server: every guard tight enough for a test to reach it quickly.
 GUARD_KEY = "sk-stage9-test"
 GUARD_LIMITS = dict(max_request_bytes=65536, max_running_requests=2, max_queued_requests=1, read_timeout=2,
-                    request_timeout=3, health_timeout=1, max_connections=16)
+                    keep_alive_timeout=1, request_timeout=3, health_timeout=1, max_connections=16)
 GUARD_ARGS = ["--pool-size", "4096", *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()]]
 
 

@@ -1,7 +1,7 @@
 """Stage 9 (graded): the guards of a server that hostile, slow or too many clients cannot take
 down. Most run on a tiny server with every guard set tight (conftest.GUARD_LIMITS): an API key,
-a 64 KiB body cap, two running requests and one queued, 2 s to send headers or a body, 3 s per
-request, a 1 s health timeout, 16 connections."""
+a 64 KiB body cap, two running requests and one queued, 2 s to send headers or a body, 1 s of
+keep-alive, 3 s per request, a 1 s health timeout, 16 connections."""
 
 from __future__ import annotations
 
@@ -112,6 +112,19 @@ def test_slow_clients_are_cut_off(guarded_server):
         sock.settimeout(limit + 10)
         head = sock.recv(1000)
         assert head.startswith(b"HTTP/1.1 408"), f"a body that stops arriving must get 408 after {limit} s; got {head[:100]!r}"
+    idle = GUARD_LIMITS["keep_alive_timeout"]
+    with socket.create_connection((host, port)) as sock:  # one request answered, then the connection idles
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(idle + 10)
+        answer, piece = b"", b"start"
+        while piece and not answer.endswith(b'{"status":"ok"}'):  # the head, then the body
+            piece = sock.recv(1000)
+            answer += piece
+        assert answer.startswith(b"HTTP/1.1 200"), f"a kept-alive connection should get its answer; got {answer[:100]!r}"
+        start = time.monotonic()
+        assert sock.recv(1000) == b"" and time.monotonic() - start < idle + 5, (
+            f"an idle kept-alive connection must be closed after the keep-alive timeout ({idle} s)"
+        )
 
 
 def test_connections_beyond_the_limit_get_503(guarded_server):
