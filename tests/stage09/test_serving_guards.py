@@ -98,6 +98,8 @@ def test_overload_is_answered_503_with_retry_after(guarded_server):
 
 
 def test_slow_clients_are_cut_off(guarded_server):
+    served = post(guarded_server, COMPLETIONS, GOOD)
+    assert served.status_code == 200, f"the server must serve a good request first: {served.text[:300]}"
     limit = GUARD_LIMITS["read_timeout"]
     host, port = "127.0.0.1", guarded_server.process.port
     with socket.create_connection((host, port)) as sock:  # half a request head, then nothing

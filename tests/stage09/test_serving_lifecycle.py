@@ -63,8 +63,10 @@ def test_stopping_the_server_ends_streams_and_leaves_no_process(tiny_models_root
         # A stream in flight when the signal comes (1000 tokens: it runs for seconds).
         stream = requests.post(server.base_url + "/v1/completions", stream=True, timeout=60, json={
             "model": TINY_FAMILY, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+        assert stream.status_code == 200, f"a streamed request got {stream.status_code}: {stream.text[:300]}"
         lines = stream.iter_lines(decode_unicode=True)
         events.append(next(line for line in lines if line))
+        assert "choices" in events[0], f"the stream should have begun with a chunk of text; it sent {events[0][:300]}"
     finally:
         if how == "SIGTERM":
             code = server.stop(signal.SIGTERM)
