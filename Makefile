@@ -28,7 +28,7 @@ LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STA
 REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 
 .PHONY: help setup check-env demo serve lab test grade prove-fail mutants skeleton check-skeleton \
-        test-gpu notebooks clean distclean
+        test-gpu notebooks soak clean distclean
 
 help:
 	@echo "Learners"
@@ -47,6 +47,7 @@ help:
 	@echo "  make test             everything: reference tests, skeleton sync, fail-proof, notebooks"
 	@echo "  make test-gpu         GPU tests, GPU benchmarks, notebook 08 re-run; fails without a CUDA GPU"
 	@echo "  make notebooks        execute notebooks/*.ipynb (nbval)"
+	@echo "  make soak             minutes of hostile clients against the server, then leaks and memory (ARGS=\"--minutes 10\")"
 	@echo "  make skeleton         regenerate stages/ from solutions/ (overwrites stages/!)"
 	@echo "  make check-skeleton   fail if stages/ is out of sync with solutions/"
 	@echo "  make prove-fail       every graded test must fail on its stage's skeleton"
@@ -157,6 +158,11 @@ notebooks: setup
 	if [ $${#notebooks[@]} -eq 0 ]; then echo "notebooks: none yet (notebooks/*.ipynb)"; exit 0; fi; \
 	$(REFERENCE) PYTHONPATH=$(CURDIR)/tools/switch_site$${PYTHONPATH:+:$$PYTHONPATH} \
 	  $(PY) -m pytest --nbval-lax -p no:cacheprovider "$${notebooks[@]}" $(PYTEST_ARGS)
+
+# The reference server on the default model (or --url a running one) under good, malformed, huge,
+# disconnecting and slow clients; prints leaked KV slots and each process's memory (tools/soak_serving.py).
+soak: setup
+	$(REFERENCE) $(PY) tools/soak_serving.py $(ARGS)
 
 skeleton:
 	$(PY_ANY) tools/make_skeleton.py

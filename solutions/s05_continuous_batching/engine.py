@@ -155,6 +155,10 @@ class Engine:
     def abort_request(self, rid: Hashable) -> bool:
         return self.scheduler.abort_request(rid)
 
+    def abort_failed_step(self) -> list[Req]:
+        """After ``step()`` raised: end its requests and free everything they held (see the scheduler's)."""
+        return self.scheduler.abort_failed_step()
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

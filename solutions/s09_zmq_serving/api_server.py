@@ -1,7 +1,8 @@
 """The API server: OpenAI's HTTP API (FastAPI, run by uvicorn) in front of the other processes.
 
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
-    GET  /v1/models             GET  /health           GET /debug/state
+    GET  /v1/models             GET  /health
+    GET  /debug/state           POST /debug/fault      (only with --enable-debug-endpoints)
 
 A request is validated here (``protocol.py``), given a request id, and sent to the tokenizer
 worker; its answers come back, a text piece at a time, from the detokenizer. One task reads that
@@ -15,6 +16,13 @@ handler of the request reads its own queue::
 Streaming answers are Server-Sent Events: one ``data: {json chunk}`` line (and a blank line)
 per piece, then ``data: [DONE]``. A client that goes away (the connection closes) has its
 request aborted: the scheduler frees its KV before its next step.
+
+Before any of that, the guards (README, "What can go wrong in a server"): ``RequestGuard`` checks
+the API key and reads the body under a size cap and a time limit before anything parses it; a
+request beyond the queue cap is answered 503 with Retry-After; every answer, even an error about
+a string that cannot be encoded, renders as OpenAI's JSON; a request past --request-timeout is
+aborted; /health reads the workers' heartbeats; and when the server stops, every request in flight
+is told so (a stream gets a last SSE error event, then ``data: [DONE]``).
 """
 
 from __future__ import annotations
@@ -22,28 +30,38 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Literal
 
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .io_struct import AbortReq, BatchStrOut, DebugStateOut, DebugStateReq, ErrorOut, GenerateReqInput
-from .protocol import (
-    ChatCompletionRequest, CompletionRequest, InvalidRequest, chat_chunk, chat_completion, chat_messages,
-    check_supported, completion, completion_chunk, completion_prompt, error_body, new_id, to_sampling_params, usage,
+from .io_struct import (
+    AbortReq, BatchStrOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, GenerateReqInput, describe_error,
 )
+from .protocol import (
+    ChatCompletionRequest, CompletionRequest, InvalidRequest, Limits, chat_chunk, chat_completion, chat_messages,
+    check_limits, check_supported, completion, completion_chunk, completion_prompt, error_body, new_id,
+    to_sampling_params, usage,
+)
+from .server_args import ServerArgs
+from .worker_loop import INJECTED, Heartbeats
+
 
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried
 DISCONNECT_POLL_S = 0.2  # while a request waits for its answer, look this often whether its client left
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
+RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before trying again
+SHUTTING_DOWN = "the server is shutting down; the request was cut short"
 
 
 @dataclass
@@ -62,6 +80,25 @@ def rejection(error: ErrorOut) -> InvalidRequest:
                           type="invalid_request_error" if error.status_code < 500 else "server_error")
 
 
+def json_bytes(content) -> bytes:
+    """JSON that always renders: a string no UTF-8 can hold (a lone surrogate in an echoed value)
+    is written as its \\u escape instead of failing the whole answer."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class OpenAIJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return json_bytes(content)
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
+                   headers: dict[str, str] | None = None) -> OpenAIJSONResponse:
+    return OpenAIJSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
 class ClientGone(Exception):
     """The HTTP client closed its connection before its answer was complete."""
 
@@ -75,7 +112,7 @@ class EngineClient:
         self.recv_from_workers = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self.recv_from_workers.bind(ipc.api_server)
         self.queues: dict[str, asyncio.Queue] = {}
-        self.fatal: str | None = None  # set when a worker process died: every request then fails
+        self.fatal: ErrorOut | None = None  # set when the server cannot serve any more: every request then fails
 
     def send(self, message) -> None:
         # A PUSH socket queues locally, so this never waits on the tokenizer.
@@ -96,17 +133,26 @@ class EngineClient:
                 queue = self.queues.pop(message.rid, None)
                 if queue is not None:
                     queue.put_nowait(message)
+                if isinstance(message, ErrorOut):
+                    # An error ends the request everywhere: if it came from the detokenizer the
+                    # scheduler still runs it (an abort of a request it no longer has is a no-op).
+                    self.send(AbortReq(message.rid))
 
-    def fail_all(self, message: str) -> None:
-        """A worker died: answer every waiting request with the reason (on the event loop)."""
-        self.fatal = message
-        for queue in self.queues.values():
-            queue.put_nowait(ErrorOut("", message, 500))
+    def fail_all(self, message: str, status: int = 500) -> None:
+        """Answer every request in flight, and every later one, with ``message`` (on the event
+        loop): a worker died (500), or the server is shutting down (503)."""
+        self.fatal = ErrorOut("", message, status)
+        for rid, queue in self.queues.items():
+            queue.put_nowait(ErrorOut(rid, message, status))
         self.queues.clear()
 
-    def open(self, rid: str) -> asyncio.Queue:
+    def open(self, rid: str, max_in_flight: int | None = None) -> asyncio.Queue:
         if self.fatal is not None:
-            raise InvalidRequest(self.fatal, status_code=500, type="server_error")
+            raise rejection(self.fatal)
+        if max_in_flight is not None and len(self.queues) >= max_in_flight:
+            raise InvalidRequest(f"the server is overloaded: {len(self.queues)} requests are in flight, the most it "
+                                 f"accepts; retry after {RETRY_AFTER_S} s", status_code=503, type="server_error",
+                                 code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
         queue = self.queues[rid] = asyncio.Queue()
         return queue
 
@@ -114,24 +160,29 @@ class EngineClient:
         if self.queues.pop(rid, None) is not None:  # still in flight
             self.send(AbortReq(rid))
 
-    async def next_output(self, queue: asyncio.Queue, request: Request | None):
+    async def next_output(self, queue: asyncio.Queue, request: Request | None, deadline: float | None):
         """The next item of a request's queue. With ``request``, raise ClientGone if its client
-        disconnects meanwhile (during a stream, Starlette itself cancels the handler instead)."""
-        if request is None:
-            return await queue.get()
+        disconnects meanwhile (during a stream, Starlette itself cancels the handler instead);
+        with ``deadline`` (the loop's clock), raise TimeoutError once it has passed."""
+        loop = asyncio.get_running_loop()
         getter = asyncio.ensure_future(queue.get())
         try:
             while True:
-                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                waits = ([DISCONNECT_POLL_S] if request is not None else []) + (
+                    [max(0.0, deadline - loop.time())] if deadline is not None else [])
+                done, _ = await asyncio.wait({getter}, timeout=min(waits) if waits else None)
                 # Checked on every piece too: pieces may come faster than the poll interval.
-                if await request.is_disconnected():
+                if request is not None and await request.is_disconnected():
                     raise ClientGone()
                 if done:
                     return getter.result()
+                if deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError()
         finally:
             getter.cancel()
 
-    async def outputs(self, rid: str, queue: asyncio.Queue, first, request: Request | None) -> AsyncIterator[OutputPiece]:
+    async def outputs(self, rid: str, queue: asyncio.Queue, first, request: Request | None,
+                      deadline: float | None) -> AsyncIterator[OutputPiece]:
         """A request's answer, piece by piece (starting with ``first``), until it is finished.
         A worker error after the start raises InvalidRequest."""
         item = first
@@ -141,12 +192,12 @@ class EngineClient:
             yield item
             if item.finish_reason is not None:
                 return
-            item = await self.next_output(queue, request)
+            item = await self.next_output(queue, request, deadline)
 
 
 def sse(data: dict | str) -> str:
     """One Server-Sent Event: ``data: <payload>`` and a blank line."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else json_bytes(data).decode()}\n\n"
 
 
 async def stream_chunks(outputs: AsyncIterator[OutputPiece], make_chunk: Callable[..., dict],
@@ -167,11 +218,76 @@ async def stream_chunks(outputs: AsyncIterator[OutputPiece], make_chunk: Callabl
     # END EXERCISE
 
 
-def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, int],
-               dead_child: Callable[[], str | None] = lambda: None) -> FastAPI:
-    """The FastAPI app; ``model_names[0]`` is the name /v1/models lists; ``dead_child()`` says
-    why a worker process is gone (None while all live)."""
+class RequestGuard:
+    """ASGI middleware, before any route: the API key (401), then the body, read whole under a
+    size cap (413, before anyone parses it, whether or not the client declared its length) and
+    within ``read_timeout`` seconds (408). The route then gets the body from memory."""
+
+    def __init__(self, app, max_bytes: int, read_timeout: float, api_key: str | None):
+        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
+        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith(("/v1/", "/debug/")):
+            if not secrets.compare_digest(headers.get(b"authorization", b""), self.api_key):
+                return await error_response(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                                            code="invalid_api_key")(scope, receive, send)
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit():
+            return await error_response(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}")(
+                scope, receive, send)
+        if int(declared) > self.max_bytes:
+            return await self.too_large(scope, receive, send)
+        body, more = bytearray(), True
+        deadline = asyncio.get_running_loop().time() + self.read_timeout
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+                return await error_response(408, f"the request body did not arrive within {self.read_timeout:g} s")(
+                    scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return  # the client left while sending: nobody to answer
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self.too_large(scope, receive, send)
+
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # then what comes after the body: the client's disconnect
+
+        await self.app(scope, replay, send)
+
+    async def too_large(self, scope, receive, send) -> None:
+        await error_response(413, f"the request body is larger than {self.max_bytes} bytes, the most this server takes "
+                                  "(--max-request-bytes)", code="request_too_large")(scope, receive, send)
+
+
+class DebugFault(BaseModel):
+    """POST /debug/fault: the next request ``process`` handles raises or stalls (tests only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    process: Literal["api_server", "tokenizer", "scheduler", "detokenizer"]
+    kind: Literal["raise", "stall"] = "raise"
+    seconds: float = Field(0.0, ge=0, le=600)
+
+
+def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: int, ipc, pids: dict[str, int],
+               dead_child: Callable[[], str | None] = lambda: None, heartbeats: Heartbeats | None = None) -> FastAPI:
+    """The FastAPI app. ``limits``: what the model allows (protocol.Limits); ``dead_child()``
+    says why a worker process is gone (None while all live); ``heartbeats``: the workers' (for /health)."""
     state: dict = {}
+    model_names = server_args.model_names()
+    max_in_flight = max_running_requests + server_args.max_queued_requests
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -181,11 +297,10 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
         yield
         reader.cancel()
 
-    app = FastAPI(title="build-an-inference-engine, stage 9", lifespan=lifespan)
+    app = FastAPI(title="build-an-inference-engine, stage 9", lifespan=lifespan, default_response_class=OpenAIJSONResponse)
     app.state.engine = state  # the launcher reaches the client and the loop through this
-
-    def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-        return JSONResponse(error_body(message, type, param, code), status_code=status)
+    app.add_middleware(RequestGuard, max_bytes=server_args.max_request_bytes, read_timeout=server_args.read_timeout,
+                       api_key=server_args.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -204,7 +319,7 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
 
     @app.exception_handler(InvalidRequest)
     async def on_invalid_request(request: Request, exc: InvalidRequest):
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return OpenAIJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -212,34 +327,40 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception):
-        if isinstance(exc, NotImplementedError) and str(exc).startswith("Stage "):
-            return error_response(500, f"not written yet -> {exc}", "server_error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        # uvicorn logs the traceback ("Exception in ASGI application"); the server goes on
+        return error_response(500, f"internal error: {describe_error(exc)}", "server_error")
 
     def check_model(name: str) -> str:
         if name not in model_names:
-            raise InvalidRequest(f"The model `{name}` does not exist; this server serves {model_names[0]!r} (see /v1/models)",
+            raise InvalidRequest(f"The model {name!r} does not exist; this server serves {model_names[0]!r} (see /v1/models)",
                                  param="model", status_code=404, code="model_not_found")
         return model_names[0]
 
     async def generate(request: Request, req: GenerateReqInput, stream: bool, include_usage: bool,
                        model: str, kind: str):
         client: EngineClient = state["client"]
-        queue = client.open(req.rid)
+        loop = asyncio.get_running_loop()
+        deadline = None if server_args.request_timeout is None else loop.time() + server_args.request_timeout
+        queue = client.open(req.rid, max_in_flight)
         client.send(req)
+        timed_out = InvalidRequest(f"the request took longer than {server_args.request_timeout} s (--request-timeout); "
+                                   "it was aborted", status_code=504, type="server_error", code="request_timeout")
         try:
             # Wait for the first piece before answering: a request the scheduler rejects (too
             # long a prompt) then gets a proper 400, not a 200 stream that carries an error.
-            first = await client.next_output(queue, request)
+            first = await client.next_output(queue, request, deadline)
         except ClientGone:
             client.abort(req.rid)
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
+        except TimeoutError:
+            client.abort(req.rid)
+            raise timed_out from None
         except asyncio.CancelledError:
             client.abort(req.rid)
             raise
         if isinstance(first, ErrorOut):
             raise rejection(first)
-        outputs = client.outputs(req.rid, queue, first, None if stream else request)
+        outputs = client.outputs(req.rid, queue, first, None if stream else request, deadline)
         if not stream:
             pieces, last = [], None
             try:
@@ -249,6 +370,9 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
             except ClientGone:
                 client.abort(req.rid)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
+            except TimeoutError:
+                client.abort(req.rid)
+                raise timed_out from None
             make = chat_completion if kind == "chat" else completion
             return make(req.rid, model, "".join(pieces), last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
@@ -266,8 +390,14 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
                     yield sse(chat_chunk(req.rid, model, created, {"role": "assistant", "content": ""}))
                 async for line in stream_chunks(outputs, make_chunk, include_usage):
                     yield line
-            except InvalidRequest as error:  # a worker died mid-stream: say so in the stream
+            # Cut short (a worker's error, the server stopping, the time limit): a last event
+            # with OpenAI's error body, and the stream still ends properly, so a client knows.
+            except InvalidRequest as error:
                 yield sse(error.body())
+                yield sse("[DONE]")
+            except TimeoutError:
+                yield sse(timed_out.body())
+                yield sse("[DONE]")
             except NotImplementedError as error:  # an exercise of this stage not written yet
                 yield sse(error_body(f"not written yet -> {error}", "server_error"))
                 raise
@@ -278,6 +408,7 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_limits(body, limits)
         model = check_model(body.model)
         check_supported(body)
         messages = chat_messages(body)
@@ -288,6 +419,7 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_limits(body, limits)
         model = check_model(body.model)
         check_supported(body)
         text, ids = completion_prompt(body)
@@ -299,26 +431,49 @@ def create_app(model_names: list[str], ipc, context_len: int, pids: dict[str, in
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_names[0], "object": "model", "created": 0,
-                                            "owned_by": "build-an-inference-engine", "max_model_len": context_len}]}
+                                            "owned_by": "build-an-inference-engine", "max_model_len": limits.context_len}]}
 
     @app.get("/health")
     async def health():
         client: EngineClient = state["client"]
-        why = client.fatal or dead_child()
+        why = client.fatal.message if client.fatal is not None else dead_child()
+        if why is None and client.queues and heartbeats is not None:
+            stuck = {name: age for name, age in heartbeats.ages().items() if age > server_args.health_timeout}
+            if stuck:
+                why = "; ".join(f"the {name} has not come round its loop for {age:.0f} s" for name, age in stuck.items()) + (
+                    f" while {len(client.queues)} request(s) are in flight (--health-timeout {server_args.health_timeout:g} s)")
         if why is not None:
             return error_response(503, why, "server_error")
         return {"status": "ok"}
 
-    @app.get("/debug/state")
-    async def debug_state():
-        """The scheduler's counts and invariant checks (taken between two steps), and the pids."""
-        client: EngineClient = state["client"]
-        rid = new_id("debug")
-        queue = client.open(rid)
-        client.send(DebugStateReq(rid))
-        answer = await asyncio.wait_for(queue.get(), timeout=60)
-        if isinstance(answer, ErrorOut):
-            return error_response(answer.status_code, answer.message, "server_error")
-        return {**answer.state, "open_requests": len(client.queues), "pids": pids}
+    if server_args.enable_debug_endpoints:
+        async def ask_workers(message) -> dict:
+            client: EngineClient = state["client"]
+            queue = client.open(message.rid)
+            client.send(message)
+            try:
+                answer = await asyncio.wait_for(queue.get(), timeout=60)
+            finally:
+                client.queues.pop(message.rid, None)
+            if isinstance(answer, ErrorOut):
+                raise rejection(answer)
+            return answer.state
+
+        @app.get("/debug/state")
+        async def debug_state():
+            """The scheduler's counts and invariant checks (taken between two steps), and the pids."""
+            client: EngineClient = state["client"]
+            answer = await ask_workers(DebugStateReq(new_id("debug")))
+            guards = {"max_request_bytes": server_args.max_request_bytes, "max_prompt_chars": limits.max_prompt_chars,
+                      "max_in_flight": max_in_flight, "request_timeout": server_args.request_timeout,
+                      "health_timeout": server_args.health_timeout, "heartbeat_ages": heartbeats.ages() if heartbeats else None}
+            return {**answer, "open_requests": len(client.queues), "pids": pids, "guards": guards}
+
+        @app.post("/debug/fault")
+        async def debug_fault(fault: DebugFault):
+            """Arm a fault: the next request ``process`` handles raises or stalls (the guards' tests)."""
+            if fault.process == "api_server":
+                raise RuntimeError(INJECTED)  # this very request is the one that fails
+            return await ask_workers(DebugFaultReq(new_id("fault"), fault.process, fault.kind, fault.seconds))
 
     return app

@@ -10,32 +10,48 @@ What a field means, and what this server does with it:
     temperature top_p seed     as OpenAI; top_k min_p ignore_eos are extensions (SGLang's too)
     stop                       a string or a list of strings, trimmed from the text
     stream stream_options      SSE chunks; include_usage adds a last chunk with the counts
+    name (of a message)        passed to the chat template; refused if the template drops it
 
 A field that would change the result and that this server does not do (n > 1, logprobs, tools,
 penalties, logit_bias, ...) is rejected with a 400 naming it, never silently ignored; a field
 nobody knows is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
+
+Every field has explicit bounds (``check_limits``; the table is in the README): a string must be
+encodable as UTF-8 (JSON allows a lone surrogate such as "\\ud800"; a tokenizer does not), an
+integer that reaches a tensor fits its range (top_k at most the vocabulary, a seed within 64 bits,
+max_tokens within the context), a float is finite, stop strings are few and short, and a prompt
+that cannot fit the context is refused by its length, before anyone spends time tokenizing it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from typing import Any, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StringConstraints
 
-from s02_request_and_sampling.sampling_params import SamplingParams
+from s02_request_and_sampling.sampling_params import MAX_SEED, SamplingParams
 
 Number = Union[float, int]  # strict mode: a JSON integer is a valid float, a string is not
+Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a model's, a user's, a part's type
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longer lists
+MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
+MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
 
 
 class InvalidRequest(ValueError):
-    """A request this server refuses: the HTTP status and OpenAI's error fields."""
+    """A request this server refuses: the HTTP status, OpenAI's error fields, and headers
+    (``Retry-After`` on a 503)."""
 
     def __init__(self, message: str, param: str | None = None, status_code: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status_code, self.type, self.code = message, param, status_code, type, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -55,20 +71,20 @@ class StreamOptions(_Strict):
 
 
 class ContentPart(_Strict):
-    type: str
+    type: Name
     text: str | None = None
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
-    name: str | None = None
+    name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
 
 
 class _SamplingFields(_Strict):
     """The fields chat and completions share."""
 
-    model: str
+    model: Name
     max_tokens: int | None = None
     temperature: Number | None = None
     top_p: Number | None = None
@@ -79,7 +95,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
-    user: str | None = None  # only recorded by OpenAI: harmless to accept
+    user: Name | None = None  # only recorded by OpenAI: harmless to accept
     # Accepted only at the value that changes nothing; anything else is a 400 (see check_supported).
     n: int | None = None
     logprobs: Any = None
@@ -101,7 +117,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
     echo: bool = False
-    suffix: str | None = None
+    suffix: Name | None = None
     best_of: int | None = None
 
 
@@ -133,8 +149,99 @@ def check_supported(request: _SamplingFields) -> None:
             raise InvalidRequest(message, param=param)
 
 
+# --- bounds ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Limits:
+    """What this server's model and flags allow (the workers report the first three at start)."""
+
+    context_len: int  # the longest sequence, prompt and generated tokens together
+    vocab_size: int  # the model's logits: top_k's ceiling
+    prompt_vocab_size: int  # the tokenizer's ids: what a token-id prompt may hold
+    max_prompt_chars: int  # a longer prompt text (all messages together) is refused untokenized
+
+
+def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
+    """Refuse (InvalidRequest, naming the field) any value outside its bounds, before any worker
+    sees the request: every string encodable as UTF-8, every number in its range, floats finite,
+    few and short stop strings, a prompt no longer than could ever fit the context."""
+    for path, text in strings(request.model_dump(exclude_none=True)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidRequest(f"{path}: a string must be valid Unicode; character {error.start} is a lone surrogate "
+                                 f"(U+{ord(text[error.start]):04X}), which cannot be encoded as UTF-8", param=path) from None
+    context = limits.context_len
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, field, None)
+        if value is not None and not 1 <= value <= context:
+            raise InvalidRequest(f"{field} must be >= 1 and <= {context} (the context), got {value}", param=field)
+    if request.top_k is not None and not (request.top_k == -1 or 1 <= request.top_k <= limits.vocab_size):
+        raise InvalidRequest(f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the vocabulary), got {request.top_k}",
+                             param="top_k")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {request.seed}", param="seed")
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        check_finite(field, getattr(request, field))
+    for key, value in (request.logit_bias or {}).items():
+        check_finite(f"logit_bias.{key}", value)
+    stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        raise InvalidRequest(f"each stop string may be at most {MAX_STOP_CHARS} characters long, got one of "
+                             f"{max(map(len, stops))}", param="stop")
+    if isinstance(request, ChatCompletionRequest):
+        if len(request.messages) > context:
+            raise InvalidRequest(f"{len(request.messages)} messages cannot fit a context of {context} tokens", param="messages")
+        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content)
+                    for m in request.messages)
+        where = "messages"
+    elif isinstance(request.prompt, str):
+        chars, where = len(request.prompt), "prompt"
+    else:
+        chars, where = 0, "prompt"
+        ids = [p for p in request.prompt if isinstance(p, int)]
+        if len(ids) > context:
+            raise InvalidRequest(f"the prompt has {len(ids)} token ids, more than the context of {context} tokens", param="prompt")
+        bad = [t for t in ids if not 0 <= t < limits.prompt_vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {limits.prompt_vocab_size}), got {bad[:5]}", param="prompt")
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest(f"the prompt has {chars} characters, more than the {limits.max_prompt_chars} this server takes "
+                             f"(no text that long fits the context of {context} tokens); refused without tokenizing it",
+                             param=where)
+
+
+def strings(value, path: str = ""):
+    """Every (path, string) in a parsed JSON value: its strings and its objects' keys."""
+    if isinstance(value, str):
+        yield path or "body", value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            shown = str(key).encode("utf-8", "backslashreplace").decode()  # the path names a bad key printably
+            inner = f"{path}.{shown}" if path else shown
+            yield from strings(key, inner)
+            yield from strings(item, inner)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from strings(item, f"{path}.{i}")
+
+
+def check_finite(field: str, value) -> None:
+    if value is None:
+        return
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer too big for a float
+        finite = False
+    if not finite:
+        raise InvalidRequest(f"{field} must be a finite number, got {value!r:.40}", param=field)
+
+
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as the chat template wants them ({"role", "content"} with text content)."""
+    """The messages as the chat template wants them ({"role", "content"} with text content, and
+    "name" when the message has one)."""
     if not request.messages:
         raise InvalidRequest("messages must hold at least one message", param="messages")
     out = []
@@ -145,7 +252,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
                 raise InvalidRequest(f"messages[{i}].content: only text parts are supported", param=f"messages.{i}.content")
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **({"name": message.name} if message.name is not None else {})})
     return out
 
 

@@ -3,7 +3,9 @@
 Chat messages go through the model's chat template, a completion prompt is tokenized as it is
 (token ids are checked and passed on). Aborts and debug questions pass through unchanged, on the
 same road as the requests, so they can never overtake them. A prompt it cannot tokenize (no chat
-template, ids outside the vocabulary) goes straight back to the API server as an ``ErrorOut``.
+template, ids outside the vocabulary, a ``name`` the template would drop) goes straight back to
+the API server as an ``ErrorOut`` (400); anything else a request makes it raise is a fault of the
+server (500), and the worker goes on with the next message (``worker_loop.py``).
 
 (In SGLang the TokenizerManager lives inside the API server process and tokenizes on its event
 loop; here it is a process of its own, so a long prompt's tokenization never stalls the HTTP side.)
@@ -11,22 +13,40 @@ loop; here it is a process of its own, so a long prompt's tokenization never sta
 
 from __future__ import annotations
 
+import secrets
+
 import zmq
 from jinja2 import TemplateError
 
 from s00_foundation.tokenizer import Tokenizer
 
-from .io_struct import ErrorOut, GenerateReqInput, TokenizedGenerateReqInput
+from .io_struct import DebugFaultReq, ErrorOut, GenerateReqInput, TokenizedGenerateReqInput
+from .worker_loop import Fault, serve_messages
+
+
+class PromptError(ValueError):
+    """A prompt this tokenizer cannot serve; ``param`` is the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class TokenizerManager:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self.fault = Fault()
+        # The longest token in characters: a text of more than context * this many characters
+        # cannot fit the context whatever it says (for a byte-level tokenizer a character is at
+        # least one byte and a token at most this many), so the API server refuses it untokenized.
+        self.max_token_chars = max(len(token) for token in tokenizer.hf.get_vocab())
 
     def tokenize(self, req: GenerateReqInput) -> TokenizedGenerateReqInput:
-        """Raises ValueError or jinja2's TemplateError (a chat template that refuses the messages,
-        e.g. roles that do not alternate): said to the client as a 400."""
+        """Raises PromptError, ValueError or jinja2's TemplateError (a chat template that refuses
+        the messages, e.g. roles that do not alternate): said to the client as a 400."""
+        self.fault.fire()
         if req.messages is not None:
+            self.check_names_are_used(req.messages)
             ids = self.tokenizer.apply_chat_template(req.messages)
         elif req.text is not None:
             ids = self.tokenizer.encode(req.text)
@@ -35,11 +55,26 @@ class TokenizerManager:
             vocab = self.tokenizer.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+                raise PromptError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
         return TokenizedGenerateReqInput(req.rid, ids, req.sampling_params, req.fill_max_new_tokens)
 
+    def check_names_are_used(self, messages: list[dict[str, str]]) -> None:
+        """A message's ``name`` must reach the prompt: rendered with a marker in place of each
+        name, the template's text must hold every marker; a template that ignores names (most do)
+        would drop them silently, so that is refused instead."""
+        named = [i for i, message in enumerate(messages) if "name" in message]
+        if not named or not self.tokenizer.is_chat:
+            return  # (without a template apply_chat_template refuses the messages, saying why)
+        tag = secrets.token_hex(6)  # digits and a-f: no template filter (trim, upper, tojson) changes it
+        marked = [dict(m, name=f"[[{tag}:{i}]]") if "name" in m else m for i, m in enumerate(messages)]
+        text = self.tokenizer.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+        for i in named:
+            if f"[[{tag}:{i}]]" not in text:
+                raise PromptError(f"messages[{i}].name: this model's chat template does not use a message's name, "
+                                  "so it would be dropped; leave it out (or put it in the content)", f"messages.{i}.name")
 
-def run_tokenizer_process(server_args, ipc, ready) -> None:
+
+def run_tokenizer_process(server_args, ipc, ready, heartbeats) -> None:
     """The tokenizer process: PULL from the API server, PUSH to the scheduler, forever."""
     manager = TokenizerManager(Tokenizer(server_args.model))
     context = zmq.Context()
@@ -49,14 +84,18 @@ def run_tokenizer_process(server_args, ipc, ready) -> None:
     send_to_scheduler.connect(ipc.scheduler)
     send_to_api = context.socket(zmq.PUSH)
     send_to_api.connect(ipc.api_server)
-    ready({})
-    while True:
-        message = recv_from_api.recv_pyobj()
+
+    def handle(message) -> None:
         if isinstance(message, GenerateReqInput):
             try:
                 message = manager.tokenize(message)
             except (ValueError, TemplateError) as error:
-                param = "messages" if message.messages is not None else "prompt"
+                param = getattr(error, "param", "messages" if message.messages is not None else "prompt")
                 send_to_api.send_pyobj(ErrorOut(message.rid, str(error), 400, param))
-                continue
+                return
+        elif isinstance(message, DebugFaultReq):
+            manager.fault.arm(message, "tokenizer")
         send_to_scheduler.send_pyobj(message)
+
+    ready({"max_token_chars": manager.max_token_chars, "vocab_size": manager.tokenizer.vocab_size})
+    serve_messages("tokenizer", recv_from_api, handle, send_to_api.send_pyobj, heartbeats)

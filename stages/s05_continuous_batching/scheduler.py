@@ -174,6 +174,27 @@ class Scheduler:
         req.time_stats.finished = self.clock()
         return True
 
+    def abort_failed_step(self) -> list[Req]:
+        """``step()`` raised (a forward pass that failed, a sampler that refused a value): the
+        requests holding memory are in an unknown state, so each is ended (finish reason "abort").
+        What its bookkeeping vouches for (its positions up to cached_len) goes back through
+        abort_request as usual; the slots the failed pass allocated beyond that are orphans, and
+        with no request holding memory any more they are easy to find: every allocated page the
+        prefix cache does not hold. Waiting requests hold nothing and stay in line. A server calls
+        this (stage 9), then check_invariants(): if those fail, nothing can be trusted any more.
+        Returns the aborted requests."""
+        holders = self.reqs_holding_memory()
+        for req in holders:
+            if req.req_pool_idx is None:  # it finished, and was released, during the failed pass
+                self.running.remove(req)
+            else:
+                self.abort_request(req.rid)
+        allocator = self.runner.allocator
+        held = torch.unique(self.prefix_cache.cached_slots().reshape(-1).cpu() // self.page_size)
+        allocated = allocator.page_allocated.nonzero().flatten()
+        allocator.free(allocated[~torch.isin(allocated, held)] * self.page_size)
+        return holders
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -289,8 +310,8 @@ class Scheduler:
             )
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
+        self.running += admitted  # from here on they hold memory (see abort_failed_step)
         logits = self.runner.forward(batch.prepare_forward())
-        self.running += admitted
         sampled = self.process_batch_result(batch, logits)
         finished = [req for req in sampled if req.finished]
         check_not_stuck(self.running)

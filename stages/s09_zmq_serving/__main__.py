@@ -30,7 +30,7 @@ def demo(server_args: ServerArgs, argv: list[str], question: str, max_tokens: in
 
     print(f"starting the server on {server_args.model_names()[0]} (the API server, tokenizer, scheduler and detokenizer processes) ...",
           flush=True)
-    with ServerProcess(argv) as server:
+    with ServerProcess([*argv, "--enable-debug-endpoints"]) as server:  # /debug/state lists the pids
         client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
         [model] = [m.id for m in client.models.list()]
         print(f"\nuser: {question}\nassistant: ", end="", flush=True)

@@ -23,13 +23,18 @@ streamed answer, joined, equals ``engine.generate(...)[i].text``.
 
 from __future__ import annotations
 
+import logging
+
 import zmq
 
 from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.detokenizer import Decoder, IncrementalDetokenizer
 from s02_request_and_sampling.req import FinishReason, find_stop_str
 
-from .io_struct import BatchStrOut, BatchTokenIDOut
+from .io_struct import BatchStrOut, BatchTokenIDOut, DebugFaultReq, DebugStateOut, ErrorOut
+from .worker_loop import Fault, serve_messages
+
+logger = logging.getLogger(__name__)
 
 
 def stop_hold_back(text: str, stops: list[str]) -> int:
@@ -64,20 +69,35 @@ class DecodeStatus:
 
 class DetokenizerManager:
     """Reads ``BatchTokenIDOut`` from the scheduler, keeps a ``DecodeStatus`` per request, sends
-    ``BatchStrOut`` to the API server; forwards errors and debug answers unchanged."""
+    ``BatchStrOut`` to the API server; forwards errors and debug answers unchanged.
+
+    A request whose text cannot be made (its decoding raised) gets an ``ErrorOut`` 500 and is
+    forgotten; the others of the same step are not affected, and its later token ids (until the
+    API server's abort reaches the scheduler) are dropped."""
 
     def __init__(self, tokenizer: Decoder):
         self.tokenizer = tokenizer
         self.decode_status: dict[str, DecodeStatus] = {}
+        self.failed: set[str] = set()  # rids answered with an error while the scheduler may still run them
+        self.fault = Fault()
 
-    def handle_batch_token_id_out(self, batch: BatchTokenIDOut) -> BatchStrOut:
-        out = BatchStrOut([], [], [], [], [])
+    def handle_batch_token_id_out(self, batch: BatchTokenIDOut) -> tuple[BatchStrOut, list[ErrorOut]]:
+        out, errors = BatchStrOut([], [], [], [], []), []
         for i, rid in enumerate(batch.rids):
-            status = self.decode_status.get(rid)
-            if status is None:
-                status = self.decode_status[rid] = DecodeStatus(self.tokenizer, batch.stops[i])
             reason = batch.finish_reasons[i]
-            text = status.step(batch.new_token_ids[i], reason) if reason is None or reason.type != "abort" else ""
+            if rid in self.failed:
+                if reason is not None:
+                    self.failed.discard(rid)  # it ended in the scheduler too: nothing more will come
+                continue
+            try:
+                text = self.step_request(rid, batch, i)
+            except Exception as error:
+                logger.exception("decoding request %s failed; it gets an error, the others go on", rid)
+                self.decode_status.pop(rid, None)
+                if reason is None:
+                    self.failed.add(rid)
+                errors.append(ErrorOut.internal(rid, error, "the detokenizer failed on this request"))
+                continue
             if reason is not None:
                 del self.decode_status[rid]  # over: forget it
             if text or reason is not None:
@@ -86,10 +106,25 @@ class DetokenizerManager:
                 out.finish_reasons.append(None if reason is None else reason.type)
                 out.prompt_tokens.append(batch.prompt_tokens[i])
                 out.completion_tokens.append(batch.completion_tokens[i])
-        return out
+        return out, errors
+
+    def step_request(self, rid: str, batch: BatchTokenIDOut, i: int) -> str:
+        """Entry ``i`` of the batch through its request's DecodeStatus: the text to send now."""
+        status = self.decode_status.get(rid)
+        if status is None:
+            status = self.decode_status[rid] = DecodeStatus(self.tokenizer, batch.stops[i])
+        reason = batch.finish_reasons[i]
+        if reason is not None and reason.type == "abort":
+            return ""
+        self.fault.fire()
+        return status.step(batch.new_token_ids[i], reason)
+
+    def forget(self, rid: str) -> None:
+        """The request ended in an error elsewhere (the scheduler's ErrorOut passes through here)."""
+        self.decode_status.pop(rid, None)
 
 
-def run_detokenizer_process(server_args, ipc, ready) -> None:
+def run_detokenizer_process(server_args, ipc, ready, heartbeats) -> None:
     """The detokenizer process: PULL from the scheduler, PUSH to the API server, forever."""
     manager = DetokenizerManager(Tokenizer(server_args.model))
     context = zmq.Context()
@@ -97,11 +132,20 @@ def run_detokenizer_process(server_args, ipc, ready) -> None:
     recv_from_scheduler.bind(ipc.detokenizer)
     send_to_api = context.socket(zmq.PUSH)
     send_to_api.connect(ipc.api_server)
-    ready({})
-    while True:
-        message = recv_from_scheduler.recv_pyobj()
+
+    def handle(message) -> None:
         if isinstance(message, BatchTokenIDOut):
-            message = manager.handle_batch_token_id_out(message)
+            message, errors = manager.handle_batch_token_id_out(message)
+            for error in errors:
+                send_to_api.send_pyobj(error)
             if not message.rids:
-                continue
+                return
+        elif isinstance(message, ErrorOut):
+            manager.forget(message.rid)
+        elif isinstance(message, DebugFaultReq):
+            manager.fault.arm(message, "detokenizer")
+            message = DebugStateOut(message.rid, {"armed": message.process, "kind": message.kind})
         send_to_api.send_pyobj(message)
+
+    ready({})
+    serve_messages("detokenizer", recv_from_scheduler, handle, send_to_api.send_pyobj, heartbeats)

@@ -3,10 +3,10 @@
 Every arrow is a PUSH -> PULL pair over an ipc socket; each process binds the one socket it
 reads from and connects to the ones it writes to::
 
-    API server ──GenerateReqInput / AbortReq / DebugStateReq──▶ tokenizer worker
-    tokenizer  ──TokenizedGenerateReqInput / AbortReq / DebugStateReq──▶ scheduler
-    tokenizer  ──ErrorOut (a prompt it cannot tokenize)──▶ API server
-    scheduler  ──BatchTokenIDOut / ErrorOut / DebugStateOut──▶ detokenizer
+    API server ──GenerateReqInput / AbortReq / DebugStateReq / DebugFaultReq──▶ tokenizer worker
+    tokenizer  ──TokenizedGenerateReqInput / AbortReq / DebugStateReq / DebugFaultReq──▶ scheduler
+    tokenizer  ──ErrorOut (a prompt it cannot tokenize, or a fault)──▶ API server
+    scheduler  ──BatchTokenIDOut / ErrorOut / DebugStateOut / DebugFaultReq──▶ detokenizer
     detokenizer──BatchStrOut / ErrorOut / DebugStateOut──▶ API server
 
 Requests and aborts travel the same road (API -> tokenizer -> scheduler), so an abort can never
@@ -64,6 +64,20 @@ class DebugStateReq:
     rid: str
 
 
+@dataclass
+class DebugFaultReq:
+    """Arm a fault in one process, for the tests of the guards (only with --enable-debug-endpoints):
+    the next request that ``process`` handles raises (``kind`` "raise") or waits ``seconds``
+    ("stall"); in the scheduler, the next forward pass does. It travels the whole road
+    (tokenizer -> scheduler -> detokenizer), each process arming it if it is the one named, and
+    the detokenizer answers ``DebugStateOut``: once the answer is back, every process is armed."""
+
+    rid: str
+    process: str  # "tokenizer", "scheduler" or "detokenizer"
+    kind: str  # "raise" or "stall"
+    seconds: float = 0.0
+
+
 # --- scheduler -> detokenizer -> API server ------------------------------------------------------
 
 @dataclass
@@ -93,12 +107,25 @@ class BatchStrOut:
 
 @dataclass
 class ErrorOut:
-    """A request that will never run: why, and the HTTP status its client gets."""
+    """A request that ends in an error: why, and the HTTP status its client gets (400: its input
+    cannot be served; 500: a fault of the server while handling it; 503: the server is stopping)."""
 
     rid: str
     message: str
     status_code: int = 400
     param: str | None = None
+
+    @classmethod
+    def internal(cls, rid: str, error: BaseException, what: str = "internal error") -> "ErrorOut":
+        """A fault of the server (not of the request's input): a 500 that names the exception."""
+        return cls(rid, f"{what}: {describe_error(error)}", 500)
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for an exception; an exercise of the skeleton says so ("not written yet")."""
+    if isinstance(error, NotImplementedError) and str(error).startswith("Stage "):
+        return f"not written yet -> {error}"
+    return f"{type(error).__name__}: {error}"
 
 
 @dataclass

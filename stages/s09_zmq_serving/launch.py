@@ -10,33 +10,42 @@
 The sockets live in a private temporary folder, removed at the end. Each child reports "ready"
 (or why it failed) through a pipe; the HTTP port opens once all three are ready. Stopping:
 
-- Ctrl-C / SIGTERM reach this process: uvicorn finishes, then the children are terminated
-  (and killed if they linger) and joined. Children ignore Ctrl-C themselves (a terminal sends it
-  to the whole process group): the launcher decides when they stop.
-- A child that dies (a crash, an exercise not written yet) stops the whole server with the
-  reason: "the scheduler process exited: ...". Requests in flight get that message.
+- Ctrl-C / SIGTERM reach this process: every request in flight is told the server is stopping
+  (a stream gets a last SSE error event and ends properly), uvicorn finishes, then the children
+  are terminated (and killed if they linger) and joined. Children ignore Ctrl-C themselves (a
+  terminal sends it to the whole process group): the launcher decides when they stop.
+- A child that dies stops the whole server with the reason: "the scheduler process exited: ...".
+  Requests in flight get that message. No request can do that (each worker survives whatever
+  one message raises, worker_loop.py): only a fault the process cannot recover from, such as
+  the scheduler's invariants broken, or an exercise not written yet.
 - If the launcher itself dies without cleaning up (kill -9), each child notices that its parent
   changed, removes the socket folder and exits within a second.
+
+Every process logs through ``logging`` in one format that names the process, at ``--log-level``.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 from .detokenizer_manager import run_detokenizer_process
+from .io_struct import describe_error
 from .scheduler_process import run_scheduler_process
 from .server_args import ServerArgs
 from .tokenizer_manager import run_tokenizer_process
+from .worker_loop import Heartbeats
+
+logger = logging.getLogger(__name__)
+LOG_FORMAT = "%(asctime)s %(levelname)s [{process}] %(name)s: %(message)s"
 
 CHILDREN = {
     "scheduler": run_scheduler_process,
@@ -68,10 +77,9 @@ class ChildExited(RuntimeError):
     """A worker process ended on its own; the message says which and why."""
 
 
-def describe_error(error: BaseException) -> str:
-    if isinstance(error, NotImplementedError) and str(error).startswith("Stage "):
-        return f"not written yet -> {error}"
-    return f"{type(error).__name__}: {error}"
+def setup_logging(level: str, process: str) -> None:
+    """This process's logging: one format for every process, naming it, at ``level``."""
+    logging.basicConfig(format=LOG_FORMAT.format(process=process), level=level.upper(), force=True)
 
 
 def watch_parent(parent_pid: int, folder: str) -> None:
@@ -86,15 +94,16 @@ def watch_parent(parent_pid: int, folder: str) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def child_main(name: str, server_args: ServerArgs, ipc: IpcPaths, conn, parent_pid: int) -> None:
+def child_main(name: str, server_args: ServerArgs, ipc: IpcPaths, conn, parent_pid: int, heartbeats: Heartbeats) -> None:
     """What each child process runs: its worker, reporting ready or its error through ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(server_args.log_level, name)
     watch_parent(parent_pid, ipc.folder)
     try:
-        CHILDREN[name](server_args, ipc, ready=lambda info: conn.send(("ready", info)))
+        CHILDREN[name](server_args, ipc, lambda info: conn.send(("ready", info)), heartbeats)
     except BaseException as error:
         if not (isinstance(error, NotImplementedError) and str(error).startswith("Stage ")):
-            traceback.print_exc()
+            logger.critical("the %s process ends", name, exc_info=True)
         try:
             conn.send(("error", describe_error(error)))
         finally:
@@ -110,13 +119,15 @@ class Launcher:
         self.conns: dict[str, multiprocessing.connection.Connection] = {}
         self.errors: dict[str, str] = {}
         self.stopping = False
+        self.spawn = mp.get_context("spawn")  # a fresh interpreter: no inherited torch threads or sockets
+        self.heartbeats = Heartbeats(self.spawn)
 
     def start_children(self) -> dict[str, dict]:
         """Start every child and wait until each is ready; returns what each reported."""
-        spawn = mp.get_context("spawn")  # a fresh interpreter: no inherited torch threads or sockets
+        spawn = self.spawn
         for name in CHILDREN:
             reader, writer = spawn.Pipe(duplex=False)
-            proc = spawn.Process(target=child_main, args=(name, self.server_args, self.ipc, writer, os.getpid()),
+            proc = spawn.Process(target=child_main, args=(name, self.server_args, self.ipc, writer, os.getpid(), self.heartbeats),
                                  name=f"engine-{name}", daemon=True)
             proc.start()
             writer.close()
@@ -194,10 +205,11 @@ def _on_sigterm(signum, frame):
 
 def launch_server(server_args: ServerArgs) -> int:
     """Run the server until Ctrl-C / SIGTERM (returns 0) or until a child dies (returns 1)."""
-    import uvicorn
+    from .api_server import SHUTTING_DOWN, create_app
+    from .http_server import make_http_server
+    from .protocol import Limits
 
-    from .api_server import create_app
-
+    setup_logging(server_args.log_level, "api_server")
     signal.signal(signal.SIGTERM, _on_sigterm)  # also while the children load the model
     launcher = Launcher(server_args)
     fatal: list[str] = []
@@ -205,26 +217,32 @@ def launch_server(server_args: ServerArgs) -> int:
         infos = launcher.start_children()
         pids = {"api_server": os.getpid(), **{name: proc.pid for name, proc in launcher.procs.items()}}
         names = server_args.model_names()
-        app = create_app(names, launcher.ipc, infos["scheduler"]["context_len"], pids, launcher.dead_child)
-        server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                               log_level=server_args.log_level, timeout_graceful_shutdown=2,
-                                               access_log=server_args.log_level in ("info", "debug", "trace")))
+        scheduler, tokenizer = infos["scheduler"], infos["tokenizer"]
+        context = scheduler["context_len"]
+        limits = Limits(context_len=context, vocab_size=scheduler["vocab_size"], prompt_vocab_size=tokenizer["vocab_size"],
+                        max_prompt_chars=server_args.max_prompt_chars or context * tokenizer["max_token_chars"])
+        app = create_app(server_args, limits, scheduler["max_running_requests"], launcher.ipc, pids, launcher.dead_child,
+                         launcher.heartbeats)
+
+        def tell_everyone(message: str, status: int) -> None:
+            engine = app.state.engine
+            if "loop" in engine:
+                engine["loop"].call_soon_threadsafe(engine["client"].fail_all, message, status)
+
+        server = make_http_server(app, server_args, on_exit=lambda: tell_everyone(SHUTTING_DOWN, 503))
 
         def on_death(message: str) -> None:
             fatal.append(message)
-            print(f"error: {message}; stopping the server", file=sys.stderr, flush=True)
-            engine = app.state.engine
-            if "loop" in engine:
-                engine["loop"].call_soon_threadsafe(engine["client"].fail_all, message)
+            logger.error("%s; stopping the server", message)
+            tell_everyone(message, 500)
             server.should_exit = True
 
         launcher.monitor(on_death)
         print(f"serving {names[0]} on http://{server_args.host}:{server_args.port}/v1 "
-              f"(device {infos['scheduler']['device']}, context {infos['scheduler']['context_len']} tokens, "
-              f"pids {pids}); Ctrl-C stops it", flush=True)
+              f"(device {scheduler['device']}, context {context} tokens, pids {pids}); Ctrl-C stops it", flush=True)
         server.run()
     except ChildExited as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        logger.error("%s", error)
         return 1
     except (KeyboardInterrupt, Terminated):
         pass

@@ -6,7 +6,7 @@ One loop, the heart of the server::
         requests = recv_requests(block = engine has nothing to do)   new requests, aborts, debug questions
         for each: process_input_request                               engine.add_request / abort_request
         if engine.has_work:
-            outputs = engine.step()                                    one forward pass
+            outputs = run_batch()                                      one forward pass (engine.step)
             send_to_detokenizer(outputs)                               the new token ids, as one message
 
 It drains its socket without waiting while the engine has work (a request that arrives during
@@ -16,6 +16,13 @@ one more step, and its KV slots are freed at once. A request the engine could ne
 prompt longer than the context) raises ValueError in add_request: it goes back to its client as
 an error, and the loop goes on.
 
+No message and no step may end this process (the rules of ``worker_loop.py``):
+``process_input_request`` answers whatever a message raises with an error to its request, and
+``run_batch`` turns a step that raises into an error for each request of that step, after the
+engine has freed everything they held (``abort_failed_step``). Then the pool's and the tree's
+invariants are checked: only if they are broken, so that nothing this process computes can be
+trusted any more, does it end, loudly (the launcher stops the server with the reason).
+
 The scheduler also loads the tokenizer: the engine's ``Req`` reads the generated text to detect
 stop strings (stage 2), and that decision must be made here, where the request is stepped.
 """
@@ -23,6 +30,7 @@ stop strings (stage 2), and that decision must be made here, where the request i
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -31,10 +39,15 @@ import zmq
 from s02_request_and_sampling.req import FinishReason
 from s08_cuda_graph.engine import Engine  # the newest stage's engine: this one line picks what is served
 
-from .io_struct import AbortReq, BatchTokenIDOut, DebugStateOut, DebugStateReq, ErrorOut, TokenizedGenerateReqInput
+from .io_struct import (
+    AbortReq, BatchTokenIDOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, TokenizedGenerateReqInput,
+    describe_error,
+)
+from .worker_loop import IDLE_POLL_MS, Fault, Heartbeats
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-IDLE_POLL_MS = 1000  # when idle, wait this long for a message before looking again
 
 
 def build_engine(model: str, knobs: dict[str, Any]) -> Engine:
@@ -53,10 +66,12 @@ def context_len(engine: Engine) -> int:
 
 
 class SchedulerProcess:
-    def __init__(self, engine: Engine, recv_from_tokenizer: zmq.Socket, send_to_detokenizer: zmq.Socket):
+    def __init__(self, engine: Engine, recv_from_tokenizer: zmq.Socket, send_to_detokenizer: zmq.Socket,
+                 heartbeats: Heartbeats | None = None):
         self.engine = engine
         self.recv_from_tokenizer = recv_from_tokenizer
         self.send_to_detokenizer = send_to_detokenizer
+        self.heartbeats = heartbeats
         self.reqs: dict[str, Any] = {}  # rid -> the engine's Req, while it is waiting or running
         self.context_len = context_len(engine)
 
@@ -64,11 +79,14 @@ class SchedulerProcess:
 
     def event_loop(self) -> None:
         while True:
-            raise NotImplementedError("Stage 9: receive what arrived (self.recv_requests: block only when the engine has no work), process each (self.process_input_request), then if the engine has work run one step and send its outputs (self.send_outputs) - see stages/s09_zmq_serving/README.md")
+            raise NotImplementedError("Stage 9: receive what arrived (self.recv_requests: block only when the engine has no work), process each (self.process_input_request), then if the engine has work run one batch (self.run_batch: one engine step) and send its outputs (self.send_outputs) - see stages/s09_zmq_serving/README.md")
 
     def recv_requests(self, block: bool) -> list:
         """Every message waiting on the socket. With ``block``, first wait for one (up to
-        IDLE_POLL_MS, so the loop still comes round now and then)."""
+        IDLE_POLL_MS, so the loop still comes round now and then). Each call is one loop
+        iteration: it beats the heartbeat that /health reads."""
+        if self.heartbeats is not None:
+            self.heartbeats.beat("scheduler")
         messages = []
         if block and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
             return messages
@@ -77,16 +95,32 @@ class SchedulerProcess:
                 messages.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
             except zmq.Again:
                 return messages
+            except Exception:  # a message that cannot even be unpickled: dropped, said
+                logger.exception("the scheduler dropped a message it could not read")
 
     def process_input_request(self, message) -> None:
-        if isinstance(message, TokenizedGenerateReqInput):
-            self.handle_generate_request(message)
-        elif isinstance(message, AbortReq):
-            self.abort_request(message.rid)
-        elif isinstance(message, DebugStateReq):
-            self.send_to_detokenizer.send_pyobj(DebugStateOut(message.rid, self.debug_state()))
-        else:
-            raise TypeError(f"the scheduler got a message it does not know: {message!r:.100}")
+        """One message; whatever it raises is logged and answered to its request (500), and the
+        loop goes on (a request the engine had already taken is aborted first)."""
+        try:
+            if isinstance(message, TokenizedGenerateReqInput):
+                self.handle_generate_request(message)
+            elif isinstance(message, AbortReq):
+                self.abort_request(message.rid)
+            elif isinstance(message, DebugStateReq):
+                self.send_to_detokenizer.send_pyobj(DebugStateOut(message.rid, self.debug_state()))
+            elif isinstance(message, DebugFaultReq):
+                self.arm_fault(message)
+                self.send_to_detokenizer.send_pyobj(message)  # on to the detokenizer, which answers
+            else:
+                raise TypeError(f"the scheduler got a message it does not know: {message!r:.100}")
+        except Exception as error:
+            rid = getattr(message, "rid", None)
+            logger.exception("the scheduler failed on %s %s; the request gets an error, the process goes on",
+                             type(message).__name__, rid or "")
+            if isinstance(message, TokenizedGenerateReqInput) and self.reqs.pop(rid, None) is not None:
+                self.engine.abort_request(rid)  # the engine had taken it: free what it holds
+            if isinstance(rid, str) and not isinstance(message, AbortReq):
+                self.send_to_detokenizer.send_pyobj(ErrorOut.internal(rid, error, "the scheduler failed on this request"))
 
     # --- requests in ------------------------------------------------------------------------------
 
@@ -101,6 +135,28 @@ class SchedulerProcess:
         to forget it. A request that already finished is gone: nothing to do."""
         raise NotImplementedError("Stage 9: if the engine aborts it (engine.abort_request returns True), drop it from self.reqs and send a BatchTokenIDOut with no new tokens and FinishReason(\"abort\") so the detokenizer forgets it - see stages/s09_zmq_serving/README.md")
 
+    # --- one step -------------------------------------------------------------------------------
+
+    def run_batch(self) -> list:
+        """One engine step; its TokenOutputs. If the step raises (a forward pass that failed, a
+        sampler that refused a value), its requests are aborted by the engine, which frees what
+        they held, and each gets an error (500); the loop goes on. Raises only if the invariants
+        are broken afterwards: then the state cannot be trusted, and the process must end."""
+        try:
+            return self.engine.step()
+        except Exception as error:
+            logger.exception("a step failed; its requests are aborted with an error and their KV freed")
+            failed = self.engine.abort_failed_step()
+            for req in failed:
+                if self.reqs.pop(req.rid, None) is not None:
+                    self.send_to_detokenizer.send_pyobj(ErrorOut.internal(req.rid, error, "the engine failed while running this request"))
+            problems = self.check_invariants()
+            if problems is not None:
+                raise RuntimeError(f"after a failed step ({describe_error(error)}) the engine's state is broken, "
+                                   f"so the scheduler stops:\n{problems}") from error
+            logger.warning("aborted %d request(s) of the failed step; the invariants hold, serving goes on", len(failed))
+            return []
+
     # --- outputs out ------------------------------------------------------------------------------
 
     def send_outputs(self, outputs) -> None:
@@ -109,21 +165,47 @@ class SchedulerProcess:
             return
         batch = BatchTokenIDOut([], [], [], [], [], [])
         for out in outputs:
-            req = self.reqs[out.rid] if out.finish_reason is None else self.reqs.pop(out.rid)
+            req = self.reqs.get(out.rid)
+            if req is None:
+                # Only an abort_request that dropped the request here without ending it in the
+                # engine gets here: it still runs and holds its KV. Said, not crashed on, so that
+                # /debug/state (untracked_requests) and the leak checks can show it.
+                logger.error("the engine stepped request %s, which this process no longer tracks: abort_request dropped "
+                             "it from self.reqs without engine.abort_request, so it still runs and holds its KV", out.rid)
+                continue
+            if out.finish_reason is not None:
+                del self.reqs[out.rid]
             batch.rids.append(out.rid)
             batch.new_token_ids.append(list(out.new_token_ids))
             batch.finish_reasons.append(out.finish_reason)
             batch.prompt_tokens.append(len(req.origin_input_ids))
             batch.completion_tokens.append(len(req.output_ids))
             batch.stops.append(req.sampling_params.stop)
-        self.send_to_detokenizer.send_pyobj(batch)
+        if batch.rids:
+            self.send_to_detokenizer.send_pyobj(batch)
+
+    # --- checks and debugging ------------------------------------------------------------------------
+
+    def check_invariants(self) -> str | None:
+        """The scheduler's and the radix tree's invariant checks: None if they hold, else what is broken."""
+        tree = getattr(self.engine, "tree_cache", None)
+        try:
+            self.engine.scheduler.check_invariants()
+            if tree is not None:
+                tree.check()
+        except AssertionError as error:
+            return str(error)
+        return None
 
     def debug_state(self) -> dict[str, Any]:
         """Counts and the invariant checks, between two steps (for /debug/state)."""
         scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
         tree = getattr(self.engine, "tree_cache", None)
-        state = {
+        in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()]]
+        return {
             "running": len(scheduler.running), "waiting": len(scheduler.waiting), "tracked_requests": len(self.reqs),
+            # requests the engine still runs that this process forgot (an abort that did not end them there)
+            "untracked_requests": [rid for rid in in_engine if rid not in self.reqs],
             "pool_size": allocator.size, "free_slots": allocator.available_size(),
             "tree_cached_tokens": tree.total_size() if tree is not None else 0,
             "tree_locked_tokens": tree.protected_size_ if tree is not None else 0,
@@ -131,18 +213,28 @@ class SchedulerProcess:
             # where and how the passes run: e.g. "cuda:0", "torch.bfloat16", {"eager": 12, "graph": 340}
             "device": str(self.engine.model.device), "dtype": str(self.engine.model.dtype),
             "forward_paths": dict(self.engine.runner.forward_paths),
+            "invariants": self.check_invariants() or "ok",
         }
-        try:
-            scheduler.check_invariants()
-            if tree is not None:
-                tree.check()
-            state["invariants"] = "ok"
-        except AssertionError as error:
-            state["invariants"] = str(error)
-        return state
+
+    def arm_fault(self, fault: DebugFaultReq) -> None:
+        """An injected fault for the scheduler strikes inside the next step's forward pass, after
+        its KV slots were allocated: the hardest place to recover from."""
+        if fault.process != "scheduler":
+            return
+        runner = self.engine.runner
+        forward = runner.forward
+        armed = Fault()
+        armed.arm(fault, "scheduler")
+
+        def faulty_forward(batch):
+            del runner.forward  # one shot: the class's own forward is back
+            armed.fire()
+            return forward(batch)
+
+        runner.forward = faulty_forward
 
 
-def run_scheduler_process(server_args, ipc, ready) -> None:
+def run_scheduler_process(server_args, ipc, ready, heartbeats) -> None:
     """The scheduler process: build the engine, PULL from the tokenizer, PUSH to the detokenizer."""
     engine = build_engine(server_args.model, server_args.engine_knobs)
     context = zmq.Context()
@@ -150,6 +242,7 @@ def run_scheduler_process(server_args, ipc, ready) -> None:
     recv_from_tokenizer.bind(ipc.scheduler)
     send_to_detokenizer = context.socket(zmq.PUSH)
     send_to_detokenizer.connect(ipc.detokenizer)
-    scheduler = SchedulerProcess(engine, recv_from_tokenizer, send_to_detokenizer)
-    ready({"context_len": scheduler.context_len, "device": str(engine.model.device)})
+    scheduler = SchedulerProcess(engine, recv_from_tokenizer, send_to_detokenizer, heartbeats)
+    ready({"context_len": scheduler.context_len, "device": str(engine.model.device),
+           "vocab_size": engine.model.config.vocab_size, "max_running_requests": engine.scheduler.max_running_requests})
     scheduler.event_loop()

@@ -1,7 +1,10 @@
 """Stage-9 servers, one per model for the whole session (starting one takes seconds): a tiny
-random model (byte-level tokenizer, with a chat template) and the real default model."""
+random model (byte-level tokenizer, with a chat template that prints a message's name), the real
+default model (whose template does not), and a tiny one with every guard set tight."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -11,30 +14,59 @@ TINY_FAMILY = "llama"
 # The tiny server: room for 40+ requests at once, a 1024-token context (the tiny models' own).
 TINY_ARGS = ["--pool-size", "4096", "--max-running-requests", "48"]
 DEFAULT_ARGS = ["--pool-size", "2048"]
+# A chat template that uses a message's name (the tiny models' own, plus " name" after the role).
+NAMED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The guarded server: every guard tight enough for a test to reach it quickly.
+GUARD_KEY = "sk-stage9-test"
+GUARD_LIMITS = dict(max_request_bytes=65536, max_running_requests=2, max_queued_requests=1, read_timeout=2,
+                    keep_alive_timeout=1, request_timeout=3, health_timeout=1, max_connections=16)
+GUARD_ARGS = ["--pool-size", "4096", *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()]]
+
+
+def running(model, args: list[str], log_dir, **options):
+    """A session's server: started, yielded, stopped."""
+    server = Server(model, args, log_dir, **options)
+    yield server
+    server.stop()
+
+
+def alive(server: Server) -> Server:
+    """The server, checked alive before a test (a dead one says why)."""
+    server.check_alive()
+    return server
 
 
 @pytest.fixture(scope="session")
 def tiny_server_session(tiny_models_root, tmp_path_factory):
-    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path_factory.mktemp("s09-tiny-server"))
-    yield server
-    server.stop()
+    model = tmp_path_factory.mktemp("s09-named-template") / TINY_FAMILY
+    shutil.copytree(tiny_models_root / TINY_FAMILY, model)
+    (model / "chat_template.jinja").write_text(NAMED_TEMPLATE)
+    yield from running(model, TINY_ARGS, tmp_path_factory.mktemp("s09-tiny-server"))
 
 
 @pytest.fixture
 def tiny_server(tiny_server_session):
-    """The tiny model's server, checked alive before each test (a dead one says why)."""
-    tiny_server_session.check_alive()
-    return tiny_server_session
+    return alive(tiny_server_session)
 
 
 @pytest.fixture(scope="session")
 def default_server_session(default_model_dir, tmp_path_factory):
-    server = Server(default_model_dir, DEFAULT_ARGS, tmp_path_factory.mktemp("s09-default-server"))
-    yield server
-    server.stop()
+    yield from running(default_model_dir, DEFAULT_ARGS, tmp_path_factory.mktemp("s09-default-server"))
 
 
 @pytest.fixture
 def default_server(default_server_session):
-    default_server_session.check_alive()
-    return default_server_session
+    return alive(default_server_session)
+
+
+@pytest.fixture(scope="session")
+def guarded_server_session(tiny_models_root, tmp_path_factory):
+    yield from running(tiny_models_root / TINY_FAMILY, GUARD_ARGS, tmp_path_factory.mktemp("s09-guarded-server"), api_key=GUARD_KEY)
+
+
+@pytest.fixture
+def guarded_server(guarded_server_session):
+    return alive(guarded_server_session)

@@ -1,10 +1,16 @@
 """Shared by the stage-9 tests: a server in a child process that fails fast and says why, the
-offline engine's answers to compare with, and small HTTP helpers."""
+offline engine's answers to compare with, and small HTTP helpers.
+
+ENGINE_SERVER_START_TIMEOUT (seconds, default 240) is how long a test waits for a server to
+answer /health; on a busy machine (a whole class graded at once, say) raise it."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import json
 import os
+import re
 import signal
 import tempfile
 import time
@@ -18,21 +24,28 @@ from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s09_zmq_serving.scheduler_process import Engine  # the engine the server runs
 from s09_zmq_serving.server_process import ServerProcess
+from soak_serving import stream_problems
 
-STARTUP_TIMEOUT_S = 240
+STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
+PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
 
 
 class Server:
     """A running server (``python -m s09_zmq_serving``) and its log, for the tests.
 
-    The log goes in ``log_dir``: pytest's own temporary folder, which keeps the last three runs
-    (a failure can be read there afterwards) and deletes older ones."""
+    ``debug``: serve /debug/state and /debug/fault (``--enable-debug-endpoints``); ``api_key``:
+    the server's key, sent with every request these helpers make. The log goes in ``log_dir``:
+    pytest's own temporary folder, which keeps the last three runs (a failure can be read there
+    afterwards) and deletes older ones."""
 
-    def __init__(self, model: Path, args: list[str], log_dir: Path, new_session: bool = False):
+    def __init__(self, model: Path, args: list[str], log_dir: Path, new_session: bool = False, debug: bool = True,
+                 api_key: str | None = None):
         self.model = model
+        self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
         self.log_path, self.log = Path(name), os.fdopen(fd, "w")
-        self.process = ServerProcess(["--model", str(model), *args], log=self.log, new_session=new_session)
+        flags = [*(["--enable-debug-endpoints"] if debug else []), *(["--api-key", api_key] if api_key else [])]
+        self.process = ServerProcess(["--model", str(model), *flags, *args], log=self.log, new_session=new_session)
         self.base_url = self.process.base_url
         try:
             self.process.wait_ready(STARTUP_TIMEOUT_S)
@@ -40,30 +53,85 @@ class Server:
         except RuntimeError as error:
             problem = str(error)
         self.stop()
+        if "did not answer" in problem:
+            problem += (" (the machine may be busy: raise ENGINE_SERVER_START_TIMEOUT, in seconds, "
+                        f"now {STARTUP_TIMEOUT_S:g})")
         pytest.fail(f"the server on {model.name} did not start: {problem}\n{self.why()}", pytrace=False)
+
+    def log_text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
 
     def why(self) -> str:
         """The server's own words: its error lines, else the end of its log."""
-        if not self.log.closed:
-            self.log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        errors = [line for line in lines if "error:" in line or "not written yet" in line]
-        return "\n".join(errors[-5:] or lines[-15:])
+        lines = self.log_text().splitlines()
+        errors = [line for line in lines if re.search(r" (ERROR|CRITICAL) |error:|Error:|not written yet", line)]
+        return "\n".join(errors[-8:] or lines[-15:])
+
+    def pids(self) -> dict[str, int]:
+        """The four processes' pids, from the launcher's startup line."""
+        found = PIDS_LINE.search(self.log_text())
+        assert found, f"the server's startup line (with its pids) is not in its log:\n{self.why()}"
+        return ast.literal_eval(found.group(1))
 
     def check_alive(self) -> None:
         code = self.process.proc.poll()
         if code is not None:
             pytest.fail(f"the server on {self.model.name} has exited (code {code}):\n{self.why()}", pytrace=False)
 
+    def get(self, path: str, timeout: float = 60) -> requests.Response:
+        return requests.get(self.base_url + path, headers=self.headers, timeout=timeout)
+
     def debug_state(self) -> dict:
-        answer = requests.get(self.base_url + "/debug/state", timeout=60)
+        answer = self.get("/debug/state")
         assert answer.status_code == 200, f"GET /debug/state answered {answer.status_code}: {answer.text[:300]}"
         return answer.json()
+
+    def arm_fault(self, process: str, kind: str = "raise", seconds: float = 0) -> None:
+        """The next request ``process`` handles raises or stalls (POST /debug/fault)."""
+        answer = post(self, "/debug/fault", {"process": process, "kind": kind, "seconds": seconds})
+        assert answer.status_code == 200, f"POST /debug/fault answered {answer.status_code}: {answer.text[:300]}"
+
+    def health(self) -> requests.Response:
+        return requests.get(self.base_url + "/health", timeout=30)
 
     def stop(self, sig: int = signal.SIGTERM, group: bool = False, timeout: float = 30) -> int:
         code = self.process.stop(sig, group, timeout)
         self.log.close()
         return code
+
+
+def wait_idle(server: Server, what: str, timeout: float = 20) -> dict:
+    """/debug/state once nothing runs or waits (fails after ``timeout`` seconds, saying why)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = server.debug_state()
+        if state["running"] == state["waiting"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    untracked = state.get("untracked_requests")
+    assert state["running"] == state["waiting"] == 0, (
+        f"{what}: {timeout:.0f} s later the scheduler still has {state['running']} running and {state['waiting']} waiting "
+        "requests: the requests of clients that went away were not aborted"
+        + (f". The engine still runs {untracked}, which the scheduler process no longer tracks: its abort_request "
+           "dropped them from self.reqs without engine.abort_request, so they keep running and hold their KV"
+           if untracked else "")
+    )
+    return state
+
+
+def assert_nothing_leaked(state: dict, what: str) -> None:
+    """With nothing running: the invariants hold, nothing is tracked or locked, and every KV slot
+    is free or held by the radix tree."""
+    assert state["invariants"] == "ok", f"{what}: the scheduler's / radix tree's invariants are broken:\n{state['invariants']}"
+    assert state["tracked_requests"] == 0, f"{what}: the scheduler process still tracks {state['tracked_requests']} requests"
+    assert state["tree_locked_tokens"] == 0, f"{what}: {state['tree_locked_tokens']} cached tokens are still locked by nobody"
+    held = state["pool_size"] - state["free_slots"]
+    assert held == state["tree_cached_tokens"], (
+        f"{what}: nothing runs, yet {held} KV slots are taken while the radix tree holds {state['tree_cached_tokens']}: "
+        "an aborted request did not free its KV"
+    )
 
 
 def pid_running(pid: int) -> bool:
@@ -108,16 +176,16 @@ def greedy(max_tokens: int, **more) -> SamplingParams:
 
 def stream_concurrently(server: Server, kind: str, requests_: list[dict]) -> list[tuple[str, str | None]]:
     """Every request (the openai client's arguments) sent at once and streamed, ``kind`` "chat" or
-    "completions"; returns each one's (text, finish_reason), in order."""
+    "completions"; returns each one's (text, finish_reason), in order. Checks each stream's shape:
+    one finish reason, on its last choice chunk, and a usage chunk only if stream_options asked."""
 
     async def one(aclient: AsyncOpenAI, request: dict):
         create = aclient.chat.completions.create if kind == "chat" else aclient.completions.create
-        pieces, finish = [], None
-        async for chunk in await create(stream=True, **request):
-            for choice in chunk.choices:
-                pieces.append((choice.delta.content or "") if kind == "chat" else choice.text)
-                finish = choice.finish_reason or finish
-        return "".join(pieces), finish
+        chunks = [chunk async for chunk in await create(stream=True, **request)]
+        check_stream_shape([chunk.model_dump() for chunk in chunks], kind, request, f"a streamed {kind} request {request}")
+        pieces = [(choice.delta.content or "") if kind == "chat" else choice.text for chunk in chunks for choice in chunk.choices]
+        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+        return "".join(pieces), (finish[-1] if finish else None)
 
     async def all_of_them():
         aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=180)
@@ -129,16 +197,25 @@ def stream_concurrently(server: Server, kind: str, requests_: list[dict]) -> lis
     return asyncio.run(all_of_them())
 
 
-def post(server: Server, path: str, body=None, data: str | None = None, timeout: float = 120) -> requests.Response:
-    if data is not None:
-        return requests.post(server.base_url + path, data=data, headers={"Content-Type": "application/json"}, timeout=timeout)
-    return requests.post(server.base_url + path, json=body, timeout=timeout)
+def check_stream_shape(chunks: list[dict], kind: str, request: dict, what: str) -> None:
+    """A streamed answer's chunks (JSON, without [DONE]): the right object, exactly one finish
+    reason, on the last chunk with a choice; then a usage-only chunk (no choices) if and only if
+    the request asked for it with stream_options.include_usage (tools/soak_serving.py checks)."""
+    asked = bool((request.get("stream_options") or {}).get("include_usage"))
+    problems = stream_problems(chunks, kind == "chat", asked)
+    assert not problems, f"{what}: " + "; ".join(problems)
+
+
+def post(server: Server, path: str, body=None, data: str | bytes | None = None, timeout: float = 120,
+         stream: bool = False) -> requests.Response:
+    headers = {**server.headers, "Content-Type": "application/json"}
+    if body is not None:
+        data = json.dumps(body)
+    return requests.post(server.base_url + path, data=data, headers=headers, timeout=timeout, stream=stream)
 
 
 def read_sse(response: requests.Response) -> list:
     """The JSON chunks of an SSE answer (checks it ends with data: [DONE])."""
-    import json
-
     events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", f"a stream must end with 'data: [DONE]'; its last events were {events[-2:]}"
     return [json.loads(e) for e in events[:-1]]

@@ -1,42 +1,17 @@
 """Stage 9 (graded): clients that go away have their requests aborted and their KV freed (the
-scheduler's and the radix tree's invariants hold afterwards), and stopping the server leaves no
-process behind."""
+scheduler's and the radix tree's invariants hold afterwards), and stopping the server tells the
+streams in flight that they were cut short and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import signal
-import time
 
 import pytest
 import requests
 
 from conftest import TINY_ARGS, TINY_FAMILY
-from serving_helpers import Server, post, read_sse, wait_gone
-
-
-def wait_idle(server, what: str, timeout: float = 20) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = server.debug_state()
-        if state["running"] == state["waiting"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert state["running"] == state["waiting"] == 0, (
-        f"{what}: {timeout:.0f} s later the scheduler still has {state['running']} running and {state['waiting']} waiting "
-        "requests: the requests of clients that went away were not aborted"
-    )
-    return state
-
-
-def assert_nothing_leaked(state: dict, what: str) -> None:
-    assert state["invariants"] == "ok", f"{what}: the scheduler's / radix tree's invariants are broken:\n{state['invariants']}"
-    assert state["tracked_requests"] == 0, f"{what}: the scheduler process still tracks {state['tracked_requests']} requests"
-    assert state["tree_locked_tokens"] == 0, f"{what}: {state['tree_locked_tokens']} cached tokens are still locked by nobody"
-    held = state["pool_size"] - state["free_slots"]
-    assert held == state["tree_cached_tokens"], (
-        f"{what}: nothing runs, yet {held} KV slots are taken while the radix tree holds {state['tree_cached_tokens']}: "
-        "an aborted request did not free its KV"
-    )
+from serving_helpers import Server, assert_nothing_leaked, post, read_sse, wait_gone, wait_idle
 
 
 def test_clients_that_disconnect_are_aborted_and_their_kv_freed(default_server):
@@ -72,13 +47,26 @@ def test_clients_that_disconnect_are_aborted_and_their_kv_freed(default_server):
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "kill -9 of the launcher"])
-def test_stopping_the_server_leaves_no_process(tiny_models_root, tmp_path, how):
-    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path, new_session=True)
-    pids = {}
+def test_stopping_the_server_ends_streams_and_leaves_no_process(tiny_models_root, tmp_path, how):
+    # Started as `make serve` starts it: no debug endpoints (they are off by default).
+    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path, new_session=True, debug=False)
+    pids, events = {}, []
     try:
-        pids = server.debug_state()["pids"]
-        assert len(pids) == 4, f"/debug/state should list the pids of the API server and its three workers; got {pids}"
-        requests.post(server.base_url + "/v1/completions", json={"model": TINY_FAMILY, "prompt": "x", "max_tokens": 3}, timeout=60)
+        pids = server.pids()
+        assert len(pids) == 4, f"the startup line should list the pids of the API server and its three workers; got {pids}"
+        for path in ("/debug/state", "/debug/fault"):
+            answer = requests.request("GET" if path == "/debug/state" else "POST", server.base_url + path, timeout=30)
+            assert answer.status_code == 404, (
+                f"{path} answered {answer.status_code} on a server started without --enable-debug-endpoints: debug "
+                "endpoints must be off by default"
+            )
+        # A stream in flight when the signal comes (1000 tokens: it runs for seconds).
+        stream = requests.post(server.base_url + "/v1/completions", stream=True, timeout=60, json={
+            "model": TINY_FAMILY, "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+        assert stream.status_code == 200, f"a streamed request got {stream.status_code}: {stream.text[:300]}"
+        lines = stream.iter_lines(decode_unicode=True)
+        events.append(next(line for line in lines if line))
+        assert "choices" in events[0], f"the stream should have begun with a chunk of text; it sent {events[0][:300]}"
     finally:
         if how == "SIGTERM":
             code = server.stop(signal.SIGTERM)
@@ -86,6 +74,17 @@ def test_stopping_the_server_leaves_no_process(tiny_models_root, tmp_path, how):
             code = server.stop(signal.SIGINT, group=True)
         else:  # the launcher dies without cleaning up: its children must notice and exit on their own
             code = server.stop(signal.SIGKILL)
+    if how != "kill -9 of the launcher":
+        try:
+            events += [line for line in lines if line]
+        except requests.exceptions.RequestException as error:
+            pytest.fail(f"after {how} the stream in flight broke off ({type(error).__name__}) instead of ending properly "
+                        f"with an error event and data: [DONE]; it had sent {events[-2:]}")
+        assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: "):]), (
+            f"after {how} the stream in flight must get a last event with OpenAI's error body, then data: [DONE], so "
+            f"that its client knows it was cut short; its last events were {events[-2:]}"
+        )
+        assert "shutting down" in events[-2], f"the stream's last error should say the server is shutting down: {events[-2]}"
     alive = wait_gone(pids.values(), timeout=10)
     assert not alive, (
         f"after {how} the server exited (code {code}) but these processes still run 10 s later: "

@@ -4,11 +4,12 @@ concurrent streaming clients all get theirs."""
 
 from __future__ import annotations
 
+import pytest
 from openai import OpenAI
 
 from reference import engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from serving_helpers import greedy, offline_engine, offline_outputs, stream_concurrently
+from serving_helpers import check_stream_shape, greedy, offline_engine, offline_outputs, post, read_sse, stream_concurrently
 
 COMPLETION_PROMPTS = ["Hello", "héllo wörld ☃ 中文", "The quick brown fox jumps", "a\nb\n\nc"]
 
@@ -148,3 +149,17 @@ def test_40_concurrent_streaming_clients(tiny_server):
     state = tiny_server.debug_state()
     assert state["invariants"] == "ok", f"after 40 concurrent requests the scheduler's checks fail: {state['invariants']}"
     assert state["running"] == state["waiting"] == 0, f"after every answer arrived, requests still run or wait: {state}"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_stream_has_a_usage_chunk_only_when_asked(tiny_server, kind):
+    """Read off the wire (the openai client would hide an extra chunk): the usage-only chunk comes
+    with stream_options.include_usage true, last, and never otherwise."""
+    path, prompt = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}) if kind == "chat" else (
+        "/v1/completions", {"prompt": "Hi"})
+    base = {"model": tiny_server.model.name, "max_tokens": 5, "temperature": 0, "stream": True, **prompt}
+    for options in (None, {"include_usage": False}, {"include_usage": True}):
+        body = {**base, **({} if options is None else {"stream_options": options})}
+        answer = post(tiny_server, path, body)
+        assert answer.status_code == 200, f"a streamed {kind} got {answer.status_code}: {answer.text[:300]}"
+        check_stream_shape(read_sse(answer), kind, body, f"a streamed {kind} with stream_options={options}")

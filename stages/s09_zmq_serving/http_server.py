@@ -1,0 +1,89 @@
+"""uvicorn, set up for clients that are slow, many or gone, and for a clean stop.
+
+uvicorn's defaults trust the client: a connection that sends half a request line and then nothing
+stays open forever, and any number of connections may be open at once. Here:
+
+- ``--read-timeout``: a request's headers must arrive within this many seconds of the
+  connection opening (or of the previous answer on a kept-alive connection), else the connection
+  is closed (``HeaderDeadlineH11Protocol``; uvicorn has no such timeout). The body gets the same
+  time again (``api_server.RequestGuard``).
+- ``--keep-alive-timeout``: an idle kept-alive connection is closed after this (uvicorn's 5 s).
+- ``--max-connections``: uvicorn's ``limit_concurrency``, open connections and requests in
+  progress together; beyond it uvicorn answers 503 itself. It sits above the queue cap
+  (whose 503 carries OpenAI's body and Retry-After) and below the usual limit of 1024 open files.
+- A request head is bounded by h11 (kept as it is): it buffers at most 16 KiB of a head that has
+  not arrived whole, so a head much over uvicorn's 64 KiB reads is refused with 400.
+- On SIGTERM / Ctrl-C, ``on_exit`` runs first (the API server tells every request in flight that
+  it was cut short), then uvicorn's graceful shutdown: no new connections, open ones closed once
+  their answer is complete (at most 2 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+GRACEFUL_SHUTDOWN_S = 2  # open answers get this long to complete when the server stops
+
+
+class HeaderDeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's headers."""
+
+    header_timeout = 30.0  # set per server by make_http_server
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def _arm_header_deadline(self) -> None:
+        self._header_deadline = self.loop.call_later(self.header_timeout, self._on_header_deadline)
+
+    def _on_header_deadline(self) -> None:
+        waiting_for_headers = self.cycle is None or self.cycle.response_complete
+        if waiting_for_headers and not self.transport.is_closing():
+            self.logger.info("closing a connection whose request headers did not arrive within %g s", self.header_timeout)
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete and self._header_deadline is not None:
+            self._header_deadline.cancel()  # a request's headers arrived: the body has its own deadline
+            self._header_deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._header_deadline is None and not self.transport.is_closing():
+            self._arm_header_deadline()  # for the next request on this kept-alive connection
+
+    def connection_lost(self, exc) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+
+class HTTPServer(uvicorn.Server):
+    """uvicorn's server, calling ``on_exit`` when SIGTERM or SIGINT arrives, before it stops."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+
+
+def make_http_server(app, server_args, on_exit) -> HTTPServer:
+    protocol = type("H11Protocol", (HeaderDeadlineH11Protocol,), {"header_timeout": server_args.read_timeout})
+    config = uvicorn.Config(
+        app, host=server_args.host, port=server_args.port, http=protocol,
+        timeout_keep_alive=server_args.keep_alive_timeout, limit_concurrency=server_args.max_connections,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        log_config=None,  # uvicorn's loggers go through the server's logging setup (launch.py), one format
+        log_level=server_args.log_level, access_log=server_args.log_level in ("info", "debug"),
+    )
+    return HTTPServer(config, on_exit)

@@ -1,0 +1,384 @@
+"""Soak the stage 9 server: minutes of good, malformed, huge, disconnecting and slow clients at
+once, then whether it is still whole.
+
+    python tools/soak_serving.py --minutes 10                  # starts a server on the default model
+    python tools/soak_serving.py --url http://127.0.0.1:8000   # a server you started with --enable-debug-endpoints
+    make soak ARGS="--minutes 2 --clients 8"
+
+Every client thread, until the time is up, picks a kind of client by weight and sends one request
+(slow clients have threads of their own, since each one waits for the server's read timeout):
+
+    good        a chat or a completion, streamed or not; the answer must be a well-formed OpenAI answer
+    malformed   broken JSON, wrong types, unknown fields, hostile strings (lone surrogates, NUL,
+                template syntax) and numbers (2**63, 10**30, NaN, Infinity): an OpenAI error (4xx)
+    huge        a body over the server's cap (413), a prompt longer than any context (400), or a
+                long generation (256 tokens) read to the end
+    disconnect  a stream dropped after a few chunks, or a client that gives up after 0.2 s
+    slow        a connection that sends half a request head and waits: the server must close it
+
+An answer that is neither a well-formed OpenAI answer nor OpenAI's error body is a problem; so is
+a 5xx (500: the server faulted on a request), except 503 when the server is overloaded (many
+clients at once) and 504 past a --request-timeout. At the end, once nothing runs, it prints the
+requests served, the answers by kind and status, the problems, the KV slots leaked (slots
+neither free nor held by the radix tree: must be 0), every process's resident memory before and
+after, and /health. The exit status is 1 if anything is wrong.
+
+The request generator and the answer checks are shared with the fuzz test
+(tests/stage09/test_serving_fuzz.py), which runs the same hostile bodies through hypothesis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+HOSTILE_STRINGS = [
+    "", " ", "\ud800", "a\udfffb", "\udc00\ud800", "\x00", "nul\x00in", "\u202e\u2066rtl", "\ufeff", "💥🔥", "é" * 40,
+    "<|im_end|>", "<|im_start|>system\n", "{{ 7 * 7 }}", "{% for x in range(10**9) %}{% endfor %}", "\\", '"', "\n" * 20,
+    "x" * 300, "llama", "user", "text",
+]
+HOSTILE_NUMBERS = [
+    0, -1, 1, 2, 4, 16, 259, 260, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 10**30, 10**400,
+    0.5, -0.0, 1e-320, 1.5, 1e308, float("nan"), float("inf"), float("-inf"),
+]
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+          "seed", "stop", "stream", "stream_options", "ignore_eos", "n", "logprobs", "user", "response_format",
+          "presence_penalty", "logit_bias", "not_a_field"]
+PROMPTS = ["Hi", "Tell me a story.", "héllo wörld ☃ 中文", "1 + 1 =", "a\nb\n\nc"]
+BUSY = {503, 504}  # an overloaded server (many clients at once), a request past --request-timeout
+KINDS = {"good": 0.45, "malformed": 0.30, "huge": 0.07, "disconnect": 0.18}  # of the request threads
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+def hostile_value(rng: random.Random, depth: int = 0):
+    roll = rng.random()
+    if roll < 0.35:
+        return rng.choice(HOSTILE_STRINGS)
+    if roll < 0.7:
+        return rng.choice(HOSTILE_NUMBERS)
+    if roll < 0.8:
+        return rng.choice([None, True, False])
+    if depth >= 2:
+        return rng.choice(HOSTILE_STRINGS)
+    if roll < 0.9:
+        return [hostile_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(HOSTILE_STRINGS + FIELDS): hostile_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def good_body(rng: random.Random, model: str, chat: bool) -> dict:
+    body = {"model": model, "max_tokens": rng.randint(1, 8), "temperature": rng.choice([0, 0.7, 1.0])}
+    if chat:
+        body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    else:
+        body["prompt"] = rng.choice(PROMPTS) if rng.random() < 0.8 else [rng.randrange(0, 200) for _ in range(rng.randint(1, 8))]
+    if rng.random() < 0.5:
+        body["stream"] = True
+        if rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": rng.random() < 0.5}
+    return body
+
+
+def mutate(body: dict, rng: random.Random) -> None:
+    """One hostile change: a field set to a hostile value, a message (or prompt id) spoiled, or a field dropped."""
+    roll, messages = rng.random(), body.get("messages")
+    if roll < 0.25 and isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        message = dict(rng.choice(messages))
+        message[rng.choice(["role", "content", "name", "tool_calls"])] = hostile_value(rng)
+        body["messages"] = [*body["messages"], message][-rng.randint(1, 2):]
+    elif roll < 0.35 and isinstance(body.get("prompt"), list):
+        body["prompt"] = [*body["prompt"], rng.choice(HOSTILE_NUMBERS)]
+    elif roll < 0.45:
+        body.pop(rng.choice([f for f in FIELDS if f != "max_tokens"]), None)  # never max_tokens: a run to the end of the context is slow
+    else:
+        body[rng.choice(FIELDS)] = hostile_value(rng)
+
+
+def hostile_request(rng: random.Random, model: str) -> tuple[str, bytes, dict | None]:
+    """(path, raw body, the body as sent or None when it is not a JSON object): a good request
+    spoiled by 0-3 hostile changes, or now and then bytes that are not JSON at all."""
+    chat = rng.random() < 0.5
+    path = CHAT if chat else COMPLETIONS
+    if rng.random() < 0.05:
+        return path, rng.choice([b"", b"{", b"[1, 2]", b"null", b'{"model": "\xff\xfe"}', b"\x00" * 10]), None
+    body = good_body(rng, model, chat)
+    for _ in range(rng.choice([0, 1, 1, 2, 3])):
+        mutate(body, rng)
+    # Python's JSON: NaN / Infinity literals, lone surrogates as \ud800 escapes (legal JSON, both)
+    return path, json.dumps(body).encode(), body
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+def error_problems(payload) -> list[str]:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
+        return [f"not OpenAI's error body: {str(payload)[:200]}"]
+    if not (isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)):
+        return [f"an error without a message or a type: {error}"]
+    return []
+
+
+def stream_problems(chunks: list[dict], chat: bool, include_usage: bool) -> list[str]:
+    """A streamed answer's JSON chunks (without [DONE]): the right object, exactly one finish
+    reason, on the last chunk with a choice; a usage-only last chunk if and only if asked."""
+    wanted = "chat.completion.chunk" if chat else "text_completion"
+    if errors := [c for c in chunks if "error" in c]:
+        return [f"the stream carried an error: {errors[0]}"]
+    problems = []
+    if {c.get("object") for c in chunks} != {wanted}:
+        problems.append(f"every chunk's object must be {wanted!r}; got {sorted({str(c.get('object')) for c in chunks})}")
+    with_choices = [c for c in chunks if c.get("choices")]
+    finishes = [ch.get("finish_reason") for c in with_choices for ch in c["choices"] if ch.get("finish_reason")]
+    if len(finishes) != 1 or not with_choices or not with_choices[-1]["choices"][0].get("finish_reason"):
+        problems.append(f"exactly one finish reason, on the last chunk with a choice; got {finishes}")
+    usage = [c for c in chunks if c.get("usage")]
+    if include_usage and not (len(usage) == 1 and chunks[-1] is usage[0] and not chunks[-1]["choices"]):
+        problems.append(f"include_usage asks for one last chunk with the usage and no choices; got {len(usage)} usage "
+                        f"chunk(s), the last chunk being {chunks[-1] if chunks else None}")
+    if not include_usage and (usage or len(with_choices) != len(chunks)):
+        problems.append("without stream_options.include_usage a stream has no usage chunk (and no chunk without choices); "
+                        f"got {[c for c in chunks if c.get('usage') or not c.get('choices')][:2]}")
+    return problems
+
+
+def answer_problems(path: str, body: dict | None, answer: requests.Response, allowed: set[int]) -> list[str]:
+    """Why ``answer`` is not a well-formed OpenAI answer or error (empty list: it is)."""
+    status, raw = answer.status_code, answer.content
+    if status not in allowed:
+        return [f"status {status}: {raw[:300]!r}"]
+    if status != 200:
+        try:
+            return error_problems(json.loads(raw))
+        except ValueError:
+            return [f"a {status} whose body is not JSON: {raw[:200]!r}"]
+    chat = path == CHAT
+    if answer.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[len(b"data: "):] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        if not events or events[-1] != b"[DONE]":
+            return [f"a stream must end with data: [DONE]; its last events were {events[-2:]}"]
+        try:
+            chunks = [json.loads(e) for e in events[:-1]]
+        except ValueError as error:
+            return [f"a stream event that is not JSON ({error})"]
+        options = body.get("stream_options") if isinstance(body, dict) else None
+        return stream_problems(chunks, chat, isinstance(options, dict) and options.get("include_usage") is True)
+    try:
+        payload = json.loads(raw)
+        choice, use = payload["choices"][0], payload["usage"]
+        text = choice["message"]["content"] if chat else choice["text"]
+        ok = (payload["object"] == ("chat.completion" if chat else "text_completion") and isinstance(text, str)
+              and choice["finish_reason"] in ("stop", "length")
+              and use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] and use["completion_tokens"] >= 1)
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        return [f"a 200 that is not an OpenAI answer ({type(error).__name__}): {raw[:200]!r}"]
+    return [] if ok else [f"a malformed OpenAI answer: {raw[:300]!r}"]
+
+
+# --- the soak -----------------------------------------------------------------------------------
+
+class Soak:
+    def __init__(self, base_url: str, model: str, seconds: float, headers: dict[str, str], guards: dict):
+        self.base_url, self.model, self.headers = base_url, model, {**headers, "Content-Type": "application/json"}
+        self.deadline = time.monotonic() + seconds
+        self.guards = guards  # the server's limits, from /debug/state
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.problems: list[str] = []
+        self.lock = threading.Lock()
+
+    def record(self, kind: str, outcome: str, problems: list[str] = ()) -> None:
+        with self.lock:
+            self.outcomes[kind, outcome] += 1
+            self.problems += [f"{kind}: {p}" for p in problems]
+
+    def post(self, path: str, data: bytes, timeout: float = 120, stream: bool = False) -> requests.Response:
+        return requests.post(self.base_url + path, data=data, headers=self.headers, timeout=timeout, stream=stream)
+
+    def client(self, seed: int, slow: bool = False) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < self.deadline:
+            kind = "slow" if slow else rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+            try:
+                getattr(self, kind)(rng)
+            except (requests.RequestException, OSError) as error:
+                self.record(kind, f"client error {type(error).__name__}", [f"{type(error).__name__}: {str(error)[:200]}"])
+
+    def good(self, rng: random.Random) -> None:
+        body = good_body(rng, self.model, rng.random() < 0.5)
+        path = CHAT if "messages" in body else COMPLETIONS
+        answer = self.post(path, json.dumps(body).encode())
+        self.record("good", str(answer.status_code), answer_problems(path, body, answer, {200, *BUSY}))
+
+    def malformed(self, rng: random.Random) -> None:
+        path, data, body = hostile_request(rng, self.model)
+        answer = self.post(path, data)
+        self.record("malformed", str(answer.status_code), answer_problems(path, body, answer, {200, 400, 404, 413, *BUSY}))
+
+    def huge(self, rng: random.Random) -> None:
+        roll, cap = rng.random(), self.guards["max_request_bytes"]
+        if roll < 0.3:  # a body over the cap
+            body = {"model": self.model, "prompt": "x" * (cap + 1), "max_tokens": 2}
+            allowed = {413}
+        elif roll < 0.6:  # a prompt no context can hold: refused before it is tokenized
+            body = {"model": self.model, "prompt": "a" * min(cap - 100, self.guards["max_prompt_chars"] + 1), "max_tokens": 2}
+            allowed = {400, *BUSY}
+        else:  # a long generation, read to the end
+            body = {"model": self.model, "prompt": rng.choice(PROMPTS), "max_tokens": 256, "ignore_eos": True, "stream": True}
+            allowed = {200, *BUSY}
+        answer = self.post(COMPLETIONS, json.dumps(body).encode())
+        self.record("huge", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, allowed))
+
+    def disconnect(self, rng: random.Random) -> None:
+        body = {"model": self.model, "prompt": rng.choice(PROMPTS), "max_tokens": 200, "ignore_eos": True}
+        if rng.random() < 0.6:  # a stream dropped after a few chunks
+            with self.post(COMPLETIONS, json.dumps({**body, "stream": True}).encode(), stream=True) as answer:
+                if answer.status_code != 200:
+                    self.record("disconnect", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, BUSY))
+                    return
+                for _, _ in zip(range(rng.randint(1, 5)), answer.iter_lines()):
+                    pass
+            self.record("disconnect", "dropped a stream")
+        else:  # a client that gives up
+            try:
+                answer = self.post(COMPLETIONS, json.dumps(body).encode(), timeout=0.2)
+                self.record("disconnect", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, {200, *BUSY}))
+            except requests.Timeout:
+                self.record("disconnect", "gave up after 0.2 s")
+
+    def slow(self, rng: random.Random) -> None:
+        where = urlsplit(self.base_url)
+        with socket.create_connection((where.hostname, where.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n")
+            sock.settimeout(max(5.0, self.deadline - time.monotonic() + 60))
+            try:
+                closed = sock.recv(1000) == b""
+            except (TimeoutError, OSError):
+                closed = False
+        self.record("slow", "closed by the server" if closed else "NOT closed", [] if closed else ["a half-sent request head was never cut off"])
+
+
+def rss_mib(pid: int) -> float | None:
+    """A process's resident memory (Linux /proc), None if it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def debug_state(base_url: str, headers: dict) -> dict:
+    answer = requests.get(base_url + "/debug/state", headers=headers, timeout=60)
+    if answer.status_code != 200:
+        raise SystemExit(f"GET /debug/state answered {answer.status_code}: start the server with --enable-debug-endpoints "
+                         "(the soak reads the pids, the memory and the invariants there)")
+    return answer.json()
+
+
+def wait_idle(base_url: str, headers: dict, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = debug_state(base_url, headers)
+        if state["running"] == state["waiting"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key: str | None, seed: int) -> int:
+    from tqdm import tqdm
+
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    models = requests.get(base_url + "/v1/models", headers=headers, timeout=60).json()["data"][0]
+    before = debug_state(base_url, headers)
+    rss_before = {name: rss_mib(pid) for name, pid in before["pids"].items()}
+    runner = Soak(base_url, models["id"], minutes * 60, headers, before["guards"])
+    threads = [threading.Thread(target=runner.client, args=(seed + i, i >= clients), daemon=True)
+               for i in range(clients + slow_clients)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    with tqdm(total=round(minutes * 60), unit="s", desc=f"soak, {clients}+{slow_clients} clients") as bar:
+        while any(thread.is_alive() for thread in threads):
+            time.sleep(1)
+            bar.n = min(bar.total, round(time.monotonic() - start))
+            bar.set_postfix(requests=sum(runner.outcomes.values()), problems=len(runner.problems), refresh=True)
+    elapsed = time.monotonic() - start
+    after = wait_idle(base_url, headers)
+    health = requests.get(base_url + "/health", timeout=60)
+    leaked = after["pool_size"] - after["free_slots"] - after["tree_cached_tokens"]
+
+    total = sum(runner.outcomes.values())
+    served = sum(n for (kind, outcome), n in runner.outcomes.items() if outcome == "200")
+    print(f"\n{total} requests in {elapsed:.0f} s from {clients} + {slow_clients} slow clients ({total / elapsed:.1f} req/s) against {base_url} "
+          f"({models['id']}, device {after['device']}); {served} answered 200")
+    print("answers by kind of client:")
+    for kind in [*KINDS, "slow"]:
+        row = sorted(((outcome, n) for (k, outcome), n in runner.outcomes.items() if k == kind), key=lambda x: -x[1])
+        print(f"  {kind:11s} " + ", ".join(f"{outcome}: {n}" for outcome, n in row))
+    print(f"problems (neither a well-formed OpenAI answer nor its error body, or a 5xx): {len(runner.problems)}")
+    for problem in runner.problems[:10]:
+        print(f"  {problem}")
+    print(f"leaked KV slots: {leaked} (pool {after['pool_size']}, free {after['free_slots']}, radix tree "
+          f"{after['tree_cached_tokens']}); requests still tracked: {after['tracked_requests']}; invariants: {after['invariants']}")
+    print("resident memory (MiB)    before    after")
+    for name, pid in after["pids"].items():
+        now = rss_mib(pid)
+        print(f"  {name:12s} {pid:>8d} {rss_before.get(name) or float('nan'):9.1f} {now or float('nan'):8.1f}")
+    print(f"health at the end: {health.status_code} {health.text[:200]}")
+    whole = (not runner.problems and leaked == 0 and after["invariants"] == "ok" and after["tracked_requests"] == 0
+             and health.status_code == 200)
+    print("the server came through whole" if whole else "THE SERVER DID NOT COME THROUGH WHOLE")
+    return 0 if whole else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=12, help="client threads sending requests")
+    parser.add_argument("--slow-clients", type=int, default=2, help="client threads that send half a request head and wait")
+    parser.add_argument("--url", default=None, help="soak this running server (started with --enable-debug-endpoints)")
+    parser.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
+    parser.add_argument("--model", default=None, help="model folder for the server it starts (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--server-args", default="", help="more flags for the server it starts, e.g. '--max-running-requests 32'")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.url:
+        return soak(args.url.rstrip("/"), args.minutes, args.clients, args.slow_clients, args.api_key, args.seed)
+
+    import tempfile
+
+    import impl_switch
+
+    impl_switch.install()
+    from s00_foundation.paths import default_model_path
+    from s09_zmq_serving.server_process import ServerProcess
+
+    model = str(args.model or default_model_path())
+    with tempfile.NamedTemporaryFile("w", prefix="soak-server-", suffix=".log", delete=False) as log:
+        print(f"starting the server on {model} (its log: {log.name}) ...", flush=True)
+        server = ServerProcess(["--model", model, "--enable-debug-endpoints", *args.server_args.split()], log=log)
+        try:
+            server.wait_ready()
+            return soak(server.base_url, args.minutes, args.clients, args.slow_clients, args.api_key, args.seed)
+        finally:
+            code = server.stop()
+            print(f"server stopped (exit code {code})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
