@@ -127,7 +127,7 @@ lab: setup
 # ---- maintainers and instructors -------------------------------------------------------
 
 # The suite runs torch on one thread unless told otherwise, for the reason given above the learners' targets.
-test prove-fail notebooks grade mutants: export OMP_NUM_THREADS ?= 1
+test prove-fail notebooks grade mutants soak: export OMP_NUM_THREADS ?= 1
 
 test: setup
 	$(PY) tools/make_skeleton.py --check
