@@ -21,7 +21,7 @@ from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
 from s04_paged_kv_pool.model_runner import ModelRunner as EagerRunner
-from s08_cuda_graph.graph_attention import flash_attn_with_kvcache
+from s08_cuda_graph.decode_attention import flash_attn_with_kvcache
 from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
 
 QUESTION = "What is the capital of France?"
