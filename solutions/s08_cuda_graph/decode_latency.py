@@ -13,6 +13,9 @@ of ``context_len`` random tokens, runs a few decode steps to warm up, then times
 The static-buffer copies and metadata refills of the graph path are included; the scheduler's
 host work (slot allocation, building the batch) is left out, as it is the same on every path.
 
+``bare_forward_latency(model, batch_size)`` times the same model pass with attention and the KV
+pool taken out (``BareAttention``): the ceiling a decode step could reach, everything else equal.
+
 ``random_model`` builds a model of any shape with random weights (no download), e.g.
 ``SMOLLM2_135M`` or ``QWEN3_0_6B``: the default model's and Qwen3-0.6B's shapes.
 """
@@ -23,7 +26,9 @@ import time
 
 import torch
 
+from s00_foundation.attention import AttentionBackend
 from s00_foundation.config import ModelConfig
+from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.model import CausalLM
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -73,12 +78,14 @@ def synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def decode_step_latency(
-    model: CausalLM, batch_size: int, context_len: int, path: str = "batched", steps: int = 10, warmup: int = 3, seed: int = 0
+    model: CausalLM, batch_size: int, context_len: int, path: str = "batched", steps: int = 10, warmup: int = 3, seed: int = 0,
+    enable_torch_compile: bool = False,
 ) -> dict:
     """Seconds per decode step (the median of ``steps``) of ``batch_size`` requests with about
     ``context_len`` tokens in context, on ``path`` ("loop", "batched" or "graph", see above).
     Returns {"seconds", "path", "bucket", "backend", "capture_seconds"}: the runner path the steps
-    took, their bucket (graph path), the attention backend and the graphs' capture time."""
+    took, their bucket (graph path), the attention backend and the graphs' capture time.
+    ``enable_torch_compile`` compiles the model's layers and the decode attention (torch_compile.py)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     longest = context_len + warmup + steps + 1
@@ -86,7 +93,8 @@ def decode_step_latency(
     if path == "loop":
         runner = LoopModelRunner(model, **shape)
     else:
-        runner = ModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched")
+        runner = ModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
+                             enable_torch_compile=enable_torch_compile)
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)
@@ -110,3 +118,28 @@ def decode_step_latency(
     bucket = graph.bucket_for(batch_size, reqs[0].cached_len) if graph is not None else None
     return {"seconds": sorted(times)[len(times) // 2], "path": getattr(runner, "last_forward_path", "eager"), "bucket": bucket,
             "backend": runner.attention_backend_name, "capture_seconds": graph.capture_seconds if graph is not None else 0.0}
+
+
+class BareAttention(AttentionBackend):
+    """No attention and no KV storage: each token's output is its own query. A model pass with it
+    is everything else a pass does (embedding, projections, norms, MLP, logits): the ceiling of any
+    attention backend and any scheduler."""
+
+    def forward(self, q, k, v, layer_id, batch):
+        return q
+
+
+@torch.inference_mode()
+def bare_forward_latency(model: CausalLM, batch_size: int, context_len: int = 128, steps: int = 10) -> float:
+    """Seconds (median of ``steps``, after a warm-up) of a decode-shaped pass of ``batch_size``
+    requests with ``BareAttention``."""
+    batch = ForwardBatch.build([[1]] * batch_size, [context_len] * batch_size, BareAttention(), device=model.device)
+    times = []
+    for step in range(steps + 1):
+        synchronize(model.device)
+        start = time.perf_counter()
+        model(batch)
+        synchronize(model.device)
+        if step:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

@@ -24,6 +24,7 @@ from s04_paged_kv_pool.model_runner import ModelRunner as EagerModelRunner
 
 from .cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_KV_LEN, CudaGraphRunner, reserve_dummy_row
 from .decode_attention import DecodeAttentionBackend, DecodeFlashAttentionBackend
+from .torch_compile import compile_model
 
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
 
@@ -41,17 +42,21 @@ class ModelRunner(EagerModelRunner):
         cuda_graph_max_bs: int | None = None,
         cuda_graph_max_kv_len: int = DEFAULT_CUDA_GRAPH_MAX_KV_LEN,
         disable_cuda_graph: bool = False,
+        enable_torch_compile: bool = False,
     ):
         """Stage 4's arguments, plus ``cuda_graph_max_bs`` (the largest decode batch a graph
         runs; default min(max_running_requests, 64)), ``cuda_graph_max_kv_len`` (the longest
-        sequence a graph's decode attends over) and ``disable_cuda_graph`` (no graphs: every
-        pass eager, with the batched decode attention)."""
+        sequence a graph's decode attends over), ``disable_cuda_graph`` (no graphs: every pass
+        eager, with the batched decode attention) and ``enable_torch_compile`` (torch_compile.py:
+        before the graphs are captured, so that they record the compiled code)."""
         super().__init__(model, pool_size, page_size, max_running_requests, max_context_len, attention_backend)
         self.forward_paths: Counter[str] = Counter()
         self.last_forward_path: str | None = None
         # Stage 4's backend, with decodes batched: one attention call per layer, eager or replayed.
         backend = DecodeFlashAttentionBackend if isinstance(self.attn_backend, FlashAttentionBackend) else DecodeAttentionBackend
         self.attn_backend = backend(self.req_to_token_pool, self.token_to_kv_pool)
+        if enable_torch_compile:
+            compile_model(model)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if disable_cuda_graph:
             return
