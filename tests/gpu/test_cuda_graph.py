@@ -189,3 +189,18 @@ def test_stage8_engine_on_cuda_float32_equals_transformers(cuda_device, tiny_mod
     assert engine.runner.cuda_graph_runner.graphs, "the engine captured no graph"
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         assert_same_tokens(out.output_ids, hf_greedy(tiny_model_dir, prompt, 12), f"stage 8 on CUDA, prompt {i}")
+
+
+def test_every_bucket_is_captured_at_start_and_serving_only_replays(cuda_device, tiny_model_dir):
+    from s08_cuda_graph.engine import Engine
+
+    model = load_model(tiny_model_dir, device=cuda_device, dtype=torch.float32)
+    engine = Engine(model, engine_tokenizer(str(tiny_model_dir)), pool_size=1024, max_running_requests=8,
+                    cuda_graph_max_bs=8, cuda_graph_max_kv_len=256)
+    graphs = engine.runner.cuda_graph_runner
+    assert list(graphs.graphs) == graphs.buckets, f"captured {list(graphs.graphs)}, expected every bucket largest first"
+    assert graphs.capture_seconds > 0 and graphs.graph_memory_bytes >= 0, graphs.describe()
+    captured = {bucket: id(graph) for bucket, graph in graphs.graphs.items()}
+    engine.generate([list(b"Hello, world"), [72], list(b"abc")], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    assert engine.runner.forward_paths["graph"] > 0
+    assert {bucket: id(graph) for bucket, graph in graphs.graphs.items()} == captured, "a graph was captured while serving"
