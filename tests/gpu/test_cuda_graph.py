@@ -1,4 +1,4 @@
-"""Stage 8 on CUDA, and every stage's engine on CUDA in bfloat16 (not graded; `make test-gpu`).
+"""Stage 8 on CUDA, and every stage's engine on CUDA in bfloat16 (not graded; run by `make gpu-check-full`).
 
 Captured graphs replayed give what the eager runner gives (float32: the same logits within
 rounding and the same greedy tokens; bfloat16: the same first tokens), the flash-attn graph
