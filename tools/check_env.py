@@ -76,6 +76,18 @@ def check_cuda(torch) -> bool:
     return report("--", "CUDA: not available, CPU only (every stage runs; stage 8's CUDA graphs need a GPU)")
 
 
+def check_threads(torch) -> bool:
+    """torch's CPU threads and what the engine will use (s00 device.py)."""
+    if torch is None:
+        return True
+    sys.path.insert(0, str(REPO / "solutions"))
+    from s00_foundation.device import default_torch_threads, physical_cores
+
+    return report("--", f"CPU: {physical_cores()} physical core(s); torch uses {torch.get_num_threads()} thread(s) now, "
+                        f"the engine {default_torch_threads()} (OMP_NUM_THREADS if set, else one per physical core; "
+                        "fewer on a busy machine: --torch-threads)")
+
+
 def check_flash_attn() -> bool:
     if importlib.util.find_spec("flash_attn") is None:
         return report("--", "flash-attn: not installed (optional, CUDA only; PyTorch SDPA is used instead)")
@@ -118,6 +130,7 @@ def main() -> int:
     torch_ok, torch = check_torch()
     ok &= torch_ok
     ok &= check_cuda(torch)
+    ok &= check_threads(torch)
     ok &= check_flash_attn()
     ok &= check_model()
     print("environment ready" if ok else "environment NOT ready: fix the [FAIL] lines above")

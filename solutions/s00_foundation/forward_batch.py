@@ -8,6 +8,16 @@ reads what it needs from it.
 Tokens of all requests are flattened into one ragged row ``[T]`` (no padding): request ``i``
 contributes ``extend_lens[i]`` new tokens whose positions continue after its ``prefix_lens[i]``
 already-cached tokens.
+
+Its ``forward_mode`` says what kind of pass it is, decided once when the batch is built, so an
+attention backend picks its path from the batch itself (SGLang's ``ForwardBatch.forward_mode``):
+
+    DECODE  every request sends one token                     [a | b | c | d]
+    MIXED   the running requests' decodes first, then extends [a | b | E0 E1 E2 E3 | F0 F1]
+    EXTEND  anything else: prefills, chunks of a prompt       [E0 E1 E2 | F0 F1 F2 F3]
+
+The small per-step tensors (token ids, positions, table rows) go to the device together, in
+one copy from pinned host memory that does not make the host wait (``device.host_to_device``).
 """
 
 from __future__ import annotations
@@ -18,13 +28,28 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from .device import host_to_device
+
 if TYPE_CHECKING:
     from .attention.backend import AttentionBackend
 
 
 class ForwardMode(Enum):
-    EXTEND = "extend"  # at least one request sends several new tokens (a prefill or a chunk of one)
+    EXTEND = "extend"  # prefills or chunks of prompts (the first request sends several new tokens)
     DECODE = "decode"  # every request sends exactly one new token
+    MIXED = "mixed"  # one-token requests (decodes) first, then requests with several new tokens
+
+    @classmethod
+    def of(cls, extend_lens: Sequence[int]) -> "ForwardMode":
+        if all(e == 1 for e in extend_lens):
+            return cls.DECODE
+        return cls.MIXED if extend_lens[0] == 1 else cls.EXTEND
+
+
+def leading_decodes(extend_lens: Sequence[int]) -> int:
+    """How many requests at the front of a batch send exactly one token (all of a DECODE batch,
+    the decode part of a MIXED one, none of an EXTEND one)."""
+    return next((i for i, e in enumerate(extend_lens) if e != 1), len(extend_lens))
 
 
 @dataclass
@@ -37,6 +62,11 @@ class ForwardBatch:
     # Filled from stage 4 on, where K/V live in a shared pool:
     req_pool_indices: torch.Tensor | None = None  # [num_reqs] row of each request in the ReqToTokenPool
     out_cache_loc: torch.Tensor | None = None  # [T] the pool slot each new token's K/V is written to
+    forward_mode: ForwardMode | None = None  # None: from extend_lens (ForwardMode.of)
+
+    def __post_init__(self):
+        if self.forward_mode is None:
+            self.forward_mode = ForwardMode.of(self.extend_lens)
 
     @property
     def num_reqs(self) -> int:
@@ -45,10 +75,6 @@ class ForwardBatch:
     @property
     def prefix_lens(self) -> list[int]:
         return [s - e for s, e in zip(self.seq_lens, self.extend_lens)]
-
-    @property
-    def mode(self) -> ForwardMode:
-        return ForwardMode.DECODE if all(e == 1 for e in self.extend_lens) else ForwardMode.EXTEND
 
     @classmethod
     def build(
@@ -59,7 +85,10 @@ class ForwardBatch:
         device: torch.device | str = "cpu",
         **extra,
     ) -> "ForwardBatch":
-        """A batch from each request's new tokens and how many of its tokens are already cached."""
+        """A batch from each request's new tokens and how many of its tokens are already cached.
+
+        ``req_pool_indices`` may come in ``extra`` as a list of table rows: it then travels to the
+        device in the same single copy as the token ids and positions."""
         if len(new_token_ids) != len(prefix_lens):
             raise ValueError(f"{len(new_token_ids)} requests but {len(prefix_lens)} prefix lengths")
         if any(len(ids) == 0 for ids in new_token_ids):
@@ -67,11 +96,18 @@ class ForwardBatch:
         flat = [t for ids in new_token_ids for t in ids]
         positions = [p + i for ids, p in zip(new_token_ids, prefix_lens) for i in range(len(ids))]
         extend_lens = [len(ids) for ids in new_token_ids]
+        rows = extra.pop("req_pool_indices", None)
+        rows_from_host = isinstance(rows, (list, tuple))
+        packed = host_to_device(flat + positions + (list(rows) if rows_from_host else []), device)
+        t = len(flat)
+        if rows_from_host:
+            rows = packed[2 * t :]
         return cls(
-            input_ids=torch.tensor(flat, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            input_ids=packed[:t],
+            positions=packed[t : 2 * t],
             extend_lens=extend_lens,
             seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens)],
             attn_backend=attn_backend,
+            req_pool_indices=rows,
             **extra,
         )

@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from s00_foundation.device import host_to_device
+
 from .memory_pool import PoolExhaustedError
 
 
@@ -91,7 +93,7 @@ class TokenToKVPoolAllocator:
             fresh = fresh[num_new:]
             first_page = prefix // p
             out_cache_loc += [pages[j // p - first_page] * p + j % p for j in range(prefix, seq)]
-        return torch.tensor(out_cache_loc, dtype=torch.int64, device=self.device)
+        return host_to_device(out_cache_loc, self.device)
         # END EXERCISE
 
     def free(self, slots: torch.Tensor) -> None:

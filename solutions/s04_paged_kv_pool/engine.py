@@ -60,8 +60,13 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
     rows = [req.req_pool_idx for req in reqs]
     prefix_lens = [req.cached_len for req in reqs]
     seq_lens = [req.device_len for req in reqs]
-    # The slot of each request's newest stored position (its last page gets filled first).
-    last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
+    # The slot of each request's newest stored position (its last page gets filled first). Only
+    # pages of several slots have room left to fill: with page_size 1 the read (a host sync on a
+    # GPU) is skipped.
+    if runner.page_size == 1:
+        last_locs = [0] * len(rows)
+    else:
+        last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
     # BEGIN EXERCISE: allocate out_cache_loc for positions [prefix_len, seq_len) of every request (alloc_slots, or runner.allocator.alloc_extend when it is None), write each request's share into its req_to_token row at those positions, and build the ForwardBatch (runner.attn_backend, req_pool_indices, out_cache_loc)
     out_cache_loc = (alloc_slots or runner.allocator.alloc_extend)(prefix_lens, seq_lens, last_locs)
     start = 0
@@ -73,7 +78,7 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
         prefix_lens,
         runner.attn_backend,
         device=runner.device,
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=runner.device),
+        req_pool_indices=rows,
         out_cache_loc=out_cache_loc,
     )
     # END EXERCISE

@@ -11,7 +11,9 @@ layout SGLang's triton and FlashInfer backends use)::
 Then per layer ``forward``
 
     1. writes the new tokens' k, v into their slots: pool[out_cache_loc[t]] = k[t], v[t]
-    2. gathers every request's K/V from the pool with kv_indices (a copy, [sum(seq_lens), ...])
+    2. gathers every request's K/V from the pool with kv_indices (a copy, [sum(seq_lens), ...];
+       ``index_select`` on the pool's first dimension: a plain row copy, ~10x faster on a CPU
+       than the general advanced indexing ``pool[kv_indices]``, which computes the same)
     3. runs causal attention per request: its new queries over its gathered prefix + new keys.
 
 A request with prefix_len = 0 is a prefill, extend_len = 1 a decode, anything between an
@@ -40,6 +42,19 @@ class ForwardMetadata:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
 
 
+def check_indptr(name: str, indptr: torch.Tensor, lens: list[int], lens_name: str) -> None:
+    """An indptr array must be the running sum of the lengths, starting at 0: [0, l0, l0+l1, ...]."""
+    expected = [0]
+    for n in lens:
+        expected.append(expected[-1] + n)
+    got = indptr.tolist()
+    if indptr.dtype != torch.int32 or got != expected:
+        raise ValueError(
+            f"{name} must be the running sum of {lens_name} starting at 0, as int32 ({lens_name} = {lens} -> "
+            f"{name} = {expected}); got {got} ({indptr.dtype})"
+        )
+
+
 class PagedAttentionBackend(AttentionBackend):
     """Plain PyTorch: a gather through the table, then SDPA per request. Runs on any device."""
 
@@ -62,6 +77,8 @@ class PagedAttentionBackend(AttentionBackend):
         table = self.req_to_token_pool.req_to_token
         kv_indices = torch.cat([table[row, :seq_len] for row, seq_len in zip(rows, batch.seq_lens)])
         # END EXERCISE
+        check_indptr("qo_indptr", qo_indptr, batch.extend_lens, "extend_lens")
+        check_indptr("kv_indptr", kv_indptr, batch.seq_lens, "seq_lens")
         self.forward_metadata = ForwardMetadata(batch, qo_indptr, kv_indptr, kv_indices)
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
@@ -77,8 +94,8 @@ class PagedAttentionBackend(AttentionBackend):
         pool = self.token_to_kv_pool
         # BEGIN EXERCISE: write k, v into the pool at batch.out_cache_loc (set_kv_buffer), gather this layer's K/V at meta.kv_indices, then attend each request's queries over its own gathered K/V with causal_attention
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
-        keys = pool.get_key_buffer(layer_id)[meta.kv_indices]
-        values = pool.get_value_buffer(layer_id)[meta.kv_indices]
+        keys = pool.get_key_buffer(layer_id).index_select(0, meta.kv_indices)
+        values = pool.get_value_buffer(layer_id).index_select(0, meta.kv_indices)
         outputs, q_start, kv_start = [], 0, 0
         for extend_len, seq_len in zip(batch.extend_lens, batch.seq_lens):
             outputs.append(causal_attention(

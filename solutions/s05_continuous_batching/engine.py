@@ -37,8 +37,12 @@ from .prefix_cache import NoPrefixCache
 from .scheduler import Scheduler, TokenOutput
 from .trace import StepTrace, print_trace
 
-CPU_POOL_BYTES = 1 << 30  # a CPU engine's default KV pool: at most 1 GiB ...
-CPU_POOL_TOKENS = 8192  # ... and at most this many slots
+# Defaults that keep a large batch full on the default model (SmolLM2-135M: 46 KB of float32 K/V
+# per token on a CPU). 128 requests run at once; the CPU pool is 2 GiB, ~46k tokens: 128 requests
+# of ~360 tokens each, or 8 of 1500 + 32 (the README's benchmark workloads b and d, at full batch).
+DEFAULT_MAX_RUNNING_REQUESTS = 128
+CPU_POOL_BYTES = 2 << 30  # a CPU engine's default KV pool: at most 2 GiB ...
+CPU_POOL_TOKENS = 1 << 16  # ... and at most this many slots (a tiny model's pool stays small)
 GPU_POOL_FRACTION = 0.5  # a CUDA engine's default KV pool: this share of the free GPU memory
 
 
@@ -52,13 +56,15 @@ class RequestOutput(GenerateOutput):
     error: str | None = None  # why the request was rejected (then finish_reason is "abort", no tokens)
 
 
-def default_pool_size(model: CausalLM, page_size: int) -> int:
-    """KV slots when the caller does not say: half the free GPU memory on CUDA (the model is
-    already loaded), on a CPU 1 GiB or 8192 tokens, whichever is smaller."""
+def default_pool_size(model: CausalLM, page_size: int, max_running_requests: int, max_context_len: int) -> int:
+    """KV slots when the caller does not say. On CUDA: half the free GPU memory (the model is
+    already loaded), but never more than ``max_running_requests`` full contexts could fill: half
+    of an H200 is ~3M slots of SmolLM2, far beyond 128 x 8192, and every slot costs a Python
+    free-list entry and start-up time. On a CPU: 2 GiB or 65536 slots, whichever is smaller."""
     per_token = model.config.kv_bytes_per_token(model.dtype)
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
-        tokens = int(GPU_POOL_FRACTION * free) // per_token
+        tokens = min(int(GPU_POOL_FRACTION * free) // per_token, max_running_requests * max_context_len)
     else:
         tokens = min(CPU_POOL_TOKENS, CPU_POOL_BYTES // per_token)
     return max(page_size, tokens // page_size * page_size)
@@ -88,7 +94,7 @@ class Engine:
         *,
         pool_size: int | None = None,
         page_size: int = 1,
-        max_running_requests: int = 64,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         max_prefill_tokens: int = 4096,
         new_token_ratio: float = 0.5,
         max_context_len: int | None = None,
@@ -108,7 +114,8 @@ class Engine:
             model = load_model(path, device=device, dtype=dtype)
             tokenizer = tokenizer or Tokenizer(path)
         self.model, self.tokenizer = model, tokenizer
-        pool_size = pool_size if pool_size is not None else default_pool_size(model, page_size)
+        if pool_size is None:
+            pool_size = default_pool_size(model, page_size, max_running_requests, max_context_len or model.config.max_position_embeddings)
         context = min(model.config.max_position_embeddings, pool_size)
         self.runner = self.make_runner(
             pool_size=pool_size, page_size=page_size, max_running_requests=max_running_requests,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ForwardMode
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -125,7 +125,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
-        if not return_all_logits:
+        if not return_all_logits and batch.forward_mode is not ForwardMode.DECODE:  # a decode's rows are its last tokens
             last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
             x = x[last]
         x = self.model.norm(x)

@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from s00_foundation.device import host_to_device
+
 from .memory_pool import PoolExhaustedError
 
 

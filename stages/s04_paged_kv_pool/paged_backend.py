@@ -11,7 +11,9 @@ layout SGLang's triton and FlashInfer backends use)::
 Then per layer ``forward``
 
     1. writes the new tokens' k, v into their slots: pool[out_cache_loc[t]] = k[t], v[t]
-    2. gathers every request's K/V from the pool with kv_indices (a copy, [sum(seq_lens), ...])
+    2. gathers every request's K/V from the pool with kv_indices (a copy, [sum(seq_lens), ...];
+       ``index_select`` on the pool's first dimension: a plain row copy, ~10x faster on a CPU
+       than the general advanced indexing ``pool[kv_indices]``, which computes the same)
     3. runs causal attention per request: its new queries over its gathered prefix + new keys.
 
 A request with prefix_len = 0 is a prefill, extend_len = 1 a decode, anything between an
@@ -40,6 +42,19 @@ class ForwardMetadata:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
 
 
+def check_indptr(name: str, indptr: torch.Tensor, lens: list[int], lens_name: str) -> None:
+    """An indptr array must be the running sum of the lengths, starting at 0: [0, l0, l0+l1, ...]."""
+    expected = [0]
+    for n in lens:
+        expected.append(expected[-1] + n)
+    got = indptr.tolist()
+    if indptr.dtype != torch.int32 or got != expected:
+        raise ValueError(
+            f"{name} must be the running sum of {lens_name} starting at 0, as int32 ({lens_name} = {lens} -> "
+            f"{name} = {expected}); got {got} ({indptr.dtype})"
+        )
+
+
 class PagedAttentionBackend(AttentionBackend):
     """Plain PyTorch: a gather through the table, then SDPA per request. Runs on any device."""
 
@@ -57,6 +72,8 @@ class PagedAttentionBackend(AttentionBackend):
         device = batch.input_ids.device
         rows = batch.req_pool_indices.tolist()
         raise NotImplementedError("Stage 4: build qo_indptr and kv_indptr (int32 running offsets starting at 0, from extend_lens and seq_lens) and kv_indices (the slots req_to_token[row, :seq_len] of every request, concatenated) - see stages/s04_paged_kv_pool/README.md")
+        check_indptr("qo_indptr", qo_indptr, batch.extend_lens, "extend_lens")
+        check_indptr("kv_indptr", kv_indptr, batch.seq_lens, "seq_lens")
         self.forward_metadata = ForwardMetadata(batch, qo_indptr, kv_indptr, kv_indices)
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:

@@ -1,4 +1,4 @@
-"""``CudaGraphRunner``: decode passes captured once per bucket, then replayed (SGLang's name).
+"""``CudaGraphRunner``: decode passes captured once per bucket at start, then replayed (SGLang's name).
 
 A small decode batch asks the GPU for little math but still launches every kernel of every
 layer from Python: hundreds of launches of a few microseconds each, and the GPU waits for them.
@@ -8,23 +8,30 @@ shapes. So the runner keeps
 
     static buffers  input_ids, positions, req_pool_indices, seq_lens, out_cache_loc  [max_bs]
                     (+ the attention backend's metadata, + each graph's output logits)
-    buckets         batch sizes 1 2 4 8 16 24 32 ... max_bs, and key lengths 64 128 256 ...
-                    up to the table's width: one graph per (bs, kv_len) bucket met
+    buckets         batch sizes 1 2 4 8 16 24 32 ... max_bs, times key lengths 64 128 256 ...
+                    up to max_kv_len: one graph per (bs, kv_len) bucket
 
-and each decode step
+captures every bucket when the engine starts (largest first: the smaller graphs then reuse the
+memory the largest one took; a capture that fails stops the engine right there, naming the
+bucket, never in the middle of serving), and at each decode step
 
     1. picks the smallest bucket that holds it: 3 requests, longest context 90 -> (4, 128)
     2. copies the real batch into the first rows of the static buffers and fills the rest with
        a dummy request: table row = the reserved dummy row, out_cache_loc = the dummy slot 0,
        seq_len 1, so a padded row writes only slot 0 and reads only slot 0
     3. refills the backend's metadata for the bucket (device work, no host sync)
-    4. replays the bucket's graph (captured on first use) and returns the real rows' logits
+    4. replays the bucket's graph and returns the real rows' logits
 
     static input_ids  [ a  b  c  0 ]       static out_cache_loc [ 41 17 96  0 ]
     req_pool_indices  [ 2  0  5  D ]       seq_lens             [ 90 12 33  1 ]   D = dummy row
 
-All graphs share one memory pool (``torch.cuda.graph_pool_handle()``): their intermediate
-tensors are reused between graphs, which never run at the same time.
+How many graphs? 11 batch sizes (max_bs 64) times 7 key lengths (64..4096) = 77. Each capture
+is two warm-up passes and one recorded pass, tens of milliseconds on a GPU: seconds in all, once.
+All share one memory pool (``torch.cuda.graph_pool_handle()``): their intermediate tensors are
+reused between graphs, which never run at the same time. Key lengths stop at
+``cuda_graph_max_kv_len`` (default 4096): a bucket's attention reads a dense [bs, kv_len] block
+of keys, and at the full table width (8192 for SmolLM2, 40960 for Qwen3) the largest bucket
+alone would gather gigabytes per layer. A decode with a longer sequence runs eagerly.
 
 On a CPU there is nothing to capture: the same buckets, padding and static buffers run eagerly
 through the same code, so everything but the capture itself is checked on any machine.
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
 
 DUMMY_SLOT = 0  # slot 0 (page 0) of the KV pool is never handed out (s04 memory_pool.py)
 MIN_KV_LEN_BUCKET = 64
+DEFAULT_CUDA_GRAPH_MAX_KV_LEN = 4096  # longer decodes run eagerly (see the docstring above)
 NUM_WARMUP_RUNS = 2  # eager runs before a capture: lazy initialisation must not happen while recording
 
 
@@ -72,15 +80,17 @@ def reserve_dummy_row(pool: ReqToTokenPool) -> int:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", max_bs: int, dummy_req_pool_idx: int):
+    def __init__(self, model_runner: "ModelRunner", max_bs: int, max_kv_len: int, dummy_req_pool_idx: int):
+        """Graphs for decodes of up to ``max_bs`` requests whose longest sequence has up to
+        ``max_kv_len`` tokens (capped at the table's width), all captured here."""
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         self.device = model_runner.device
         self.use_cuda_graph = self.device.type == "cuda"  # elsewhere: the same path, run eagerly
         self.capture_bs = capture_bs_buckets(max_bs)
         self.max_bs = self.capture_bs[-1]
-        self.max_kv_len = model_runner.req_to_token_pool.max_context_len
-        self.capture_kv_lens = kv_len_buckets(self.max_kv_len)
+        self.capture_kv_lens = kv_len_buckets(min(max_kv_len, model_runner.req_to_token_pool.max_context_len))
+        self.max_kv_len = self.capture_kv_lens[-1]
         self.dummy_req_pool_idx = dummy_req_pool_idx
 
         # The static input buffers: every graph reads (views of) these very tensors.
@@ -98,13 +108,28 @@ class CudaGraphRunner:
         self.batches: dict[tuple[int, int], ForwardBatch] = {}  # bucket -> its static batch
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.output_buffers: dict[tuple[int, int], torch.Tensor] = {}  # bucket -> the graph's logits
-        self.capture_seconds = 0.0  # wall time spent warming up and capturing graphs so far (CUDA only)
+        self.capture_seconds = 0.0  # wall time of the warm-ups and captures (CUDA only)
+        self.graph_memory_bytes = 0  # GPU memory the graphs took (CUDA only)
+        self.capture()
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (bs, kv_len) bucket, largest first: the order they are captured in."""
+        return [(bs, kv_len) for bs in reversed(self.capture_bs) for kv_len in reversed(self.capture_kv_lens)]
+
+    def describe(self) -> str:
+        what = (f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
+                f"{self.capture_kv_lens[0]}..{self.max_kv_len})")
+        if not self.use_cuda_graph:
+            return f"{what}, run eagerly (no CUDA here: nothing to capture)"
+        return f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, {self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
 
     # --- which batches, which bucket --------------------------------------------------------------
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        """True for a decode batch (one new token per request) of at most max_bs requests."""
-        raise NotImplementedError("Stage 8: a graph can run the batch when it is a pure decode (forward_batch.mode) and it has at most self.max_bs requests - see stages/s08_cuda_graph/README.md")
+        """True for a decode batch (one new token per request) of at most max_bs requests, none
+        longer than max_kv_len tokens."""
+        raise NotImplementedError("Stage 8: a graph can run the batch when it is a pure decode (forward_batch.forward_mode), it has at most self.max_bs requests and its longest sequence (seq_lens) has at most self.max_kv_len tokens - see stages/s08_cuda_graph/README.md")
 
     def bucket_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
         """(bs, kv_len): the smallest captured batch size >= num_reqs, and the smallest key
@@ -112,34 +137,53 @@ class CudaGraphRunner:
         if not 1 <= num_reqs <= self.max_bs:
             raise ValueError(f"{num_reqs} requests: graph buckets hold 1..{self.max_bs} (larger decodes run eagerly)")
         if not 1 <= max_seq_len <= self.max_kv_len:
-            raise ValueError(f"a sequence of {max_seq_len} tokens: the table holds 1..{self.max_kv_len} per request")
+            raise ValueError(f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)")
         raise NotImplementedError("Stage 8: the smallest entry of self.capture_bs that is >= num_reqs and of self.capture_kv_lens that is >= max_seq_len (bisect.bisect_left on the sorted lists) - see stages/s08_cuda_graph/README.md")
 
     # --- capture ----------------------------------------------------------------------------------
 
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Set every bucket up, largest first; on CUDA capture its graph. A capture that fails
+        stops here, at engine start, naming the bucket and the way to run without graphs."""
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.use_cuda_graph else 0
+        start = time.perf_counter()
+        for bs, kv_len in self.buckets:
+            try:
+                self.capture_one_batch_size(bs, kv_len)
+            except NotImplementedError:  # an exercise not written yet says so itself
+                raise
+            except Exception as error:
+                raise RuntimeError(
+                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): {type(error).__name__}: {error}. "
+                    "Run without graphs (--disable-cuda-graph, Engine(disable_cuda_graph=True)) or with fewer buckets "
+                    "(--cuda-graph-max-bs, --cuda-graph-max-kv-len)."
+                ) from error
+        if self.use_cuda_graph:
+            torch.cuda.synchronize(self.device)
+            self.capture_seconds = time.perf_counter() - start
+            self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+
     def capture_one_batch_size(self, bs: int, kv_len: int) -> None:
-        """Set bucket (bs, kv_len) up: its static batch (views of the buffers) and the backend's
-        metadata views; on CUDA, warm up and record its graph into the shared memory pool."""
+        """Set bucket (bs, kv_len) up: its static batch (views of the buffers, every row a dummy
+        request) and the backend's metadata views; on CUDA, warm up and record its graph into the
+        shared memory pool."""
+        self.fill_padding(0, bs)
         batch = ForwardBatch(
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
             extend_lens=[1] * bs,
-            seq_lens=[1] * bs,  # placeholders: the graph path reads only the static tensors
+            seq_lens=[1] * bs,  # true while every row is a dummy; replay_prepare sets the real ones
             attn_backend=self.attn_backend,
             req_pool_indices=self.req_pool_indices[:bs],
             out_cache_loc=self.out_cache_loc[:bs],
+            forward_mode=ForwardMode.DECODE,
         )
-        self.attn_backend.init_forward_metadata_capture_cuda_graph(bs, kv_len, batch, self.seq_lens[:bs])
+        self.attn_backend.init_forward_metadata_capture_cuda_graph(bs, kv_len, self.seq_lens[:bs])
         if self.use_cuda_graph:
-            start = time.perf_counter()
             # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
-            self.fill_padding(0, bs)
-            self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs], self.seq_lens[:bs])
-            raise NotImplementedError("Stage 8: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make test-gpu) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
-            # torch.cuda.graph synchronizes on entry and recording queues no GPU work, so this host time
-            # is the warm-up's and the capture's. A server pays it once per bucket; benchmarks report it apart.
-            self.capture_seconds += time.perf_counter() - start
-        # Registered last: a capture that raised leaves no bucket that replay would take as ready.
+            self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])
+            raise NotImplementedError("Stage 8: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make gpu-check) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
         self.batches[bs, kv_len] = batch
 
     # --- replay -----------------------------------------------------------------------------------
@@ -155,13 +199,13 @@ class CudaGraphRunner:
 
     def replay_prepare(self, forward_batch: ForwardBatch) -> tuple[int, int]:
         """Copy the batch into the static buffers, pad it to its bucket, refill the backend's
-        metadata; returns the bucket. Creates (on CUDA: captures) the bucket on first use."""
+        metadata; returns the bucket."""
         n = forward_batch.num_reqs
         bucket = self.bucket_for(n, max(forward_batch.seq_lens))
-        if bucket not in self.batches:
-            self.capture_one_batch_size(*bucket)
         bs, kv_len = bucket
         raise NotImplementedError("Stage 8: copy the batch's input_ids, positions, req_pool_indices and out_cache_loc into the first n rows of the static buffers (copy_, never a new tensor), seq_lens too (a decode token sits at position seq_len - 1, so positions + 1: no host-to-device copy), pad rows n..bs with fill_padding, then refill the backend's metadata (init_forward_metadata_replay_cuda_graph) - see stages/s08_cuda_graph/README.md")
+        # The static batch's host-side fields say what its rows now hold (the graph reads none of them).
+        self.batches[bucket].seq_lens = list(forward_batch.seq_lens) + [1] * (bs - n)
         return bucket
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:

@@ -1,14 +1,23 @@
-"""Measure one decode step of a batch: the milestone, the notebook and tools/benchmark_decode.py use it.
+"""Measure one decode step of a batch: the milestone, the notebook, tools/benchmark_decode.py and
+tools/gpu_check.py use it.
 
-``decode_step_latency(model, batch_size, context_len, use_graph)`` prefills ``batch_size``
-requests of ``context_len`` random tokens, runs a few decode steps to warm up (on CUDA the
-bucket's graph is captured there), then times ``runner.forward`` of the next decode steps: the
-model pass that a graph replaces, with the static-buffer copies and metadata refills of the
-graph path included, and the scheduler's host work (slot allocation, building the batch) left
-out, as it is the same on both paths.
+``decode_step_latency(model, batch_size, context_len, path)`` prefills ``batch_size`` requests
+of ``context_len`` random tokens, runs a few decode steps to warm up, then times
+``runner.forward`` of the next decode steps on one of three paths::
+
+    "loop"     stage 4's runner: attention request by request (SDPA per request and layer)
+    "batched"  stage 8's runner without graphs: one batched attention per layer, eager
+    "graph"    stage 8's runner replaying the bucket's CUDA graph (on a CPU: its padded
+               static batch, run eagerly)
+
+The static-buffer copies and metadata refills of the graph path are included; the scheduler's
+host work (slot allocation, building the batch) is left out, as it is the same on every path.
+
+``bare_forward_latency(model, batch_size)`` times the same model pass with attention and the KV
+pool taken out (``BareAttention``): the ceiling a decode step could reach, everything else equal.
 
 ``random_model`` builds a model of any shape with random weights (no download), e.g.
-``QWEN3_0_6B``: Qwen3-0.6B's shape.
+``SMOLLM2_135M`` or ``QWEN3_0_6B``: the default model's and Qwen3-0.6B's shapes.
 """
 
 from __future__ import annotations
@@ -17,14 +26,22 @@ import time
 
 import torch
 
+from s00_foundation.attention import AttentionBackend
 from s00_foundation.config import ModelConfig
+from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.model import CausalLM
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
+from s04_paged_kv_pool.model_runner import ModelRunner as LoopModelRunner
 
 from .model_runner import ModelRunner
 
+SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json, the fields the engine reads
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
+    tie_word_embeddings=True, rope_theta=100000.0,
+)
 QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json, the fields the engine reads
     model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
@@ -32,21 +49,25 @@ QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json, the fields the engine reads
 )
 SMALL_QWEN3 = dict(QWEN3_0_6B, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # a CPU-sized stand-in
+SMALL_SMOLLM2 = dict(SMOLLM2_135M, vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4)
+
+PATHS = ("loop", "batched", "graph")
 
 
 def random_model(raw_config: dict, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A ``CausalLM`` of the given config.json fields with random weights (N(0, 0.02), norms 1)."""
+    """A ``CausalLM`` of the given config.json fields with random weights (N(0, 0.02), norms 1),
+    drawn on ``device`` itself (a GPU fills Qwen3-0.6B's 600M weights in milliseconds)."""
     config = ModelConfig.from_dict(raw_config)
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=device)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+                param.normal_(0.0, 0.02, generator=generator)
     return model.to(dtype).eval()
 
 
@@ -57,17 +78,23 @@ def synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def decode_step_latency(
-    model: CausalLM, batch_size: int, context_len: int, use_graph: bool, steps: int = 10, warmup: int = 3, seed: int = 0
+    model: CausalLM, batch_size: int, context_len: int, path: str = "batched", steps: int = 10, warmup: int = 3, seed: int = 0,
+    enable_torch_compile: bool = False,
 ) -> dict:
     """Seconds per decode step (the median of ``steps``) of ``batch_size`` requests with about
-    ``context_len`` tokens in context; ``use_graph=False`` is the eager runner (graphs disabled).
-    Returns {"seconds", "path", "bucket", "backend"}: the path the steps took, their bucket (graph
-    path) and the attention backend (flash-attn when importable on CUDA, else torch)."""
+    ``context_len`` tokens in context, on ``path`` ("loop", "batched" or "graph", see above).
+    Returns {"seconds", "path", "bucket", "backend", "capture_seconds"}: the runner path the steps
+    took, their bucket (graph path), the attention backend and the graphs' capture time.
+    ``enable_torch_compile`` compiles the model's layers and the decode attention (torch_compile.py)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     longest = context_len + warmup + steps + 1
-    runner = ModelRunner(
-        model, pool_size=batch_size * longest, max_running_requests=batch_size, max_context_len=longest,
-        attention_backend="auto", cuda_graph_max_bs=batch_size, disable_cuda_graph=not use_graph,
-    )
+    shape = dict(pool_size=batch_size * longest, max_running_requests=batch_size, max_context_len=longest, attention_backend="auto")
+    if path == "loop":
+        runner = LoopModelRunner(model, **shape)
+    else:
+        runner = ModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
+                             enable_torch_compile=enable_torch_compile)
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)
@@ -87,7 +114,32 @@ def decode_step_latency(
         for req, token in zip(reqs, logits.argmax(-1).tolist()):
             req.cached_len = req.device_len
             req.append_token(token)
-    graph = runner.cuda_graph_runner
+    graph = getattr(runner, "cuda_graph_runner", None)
     bucket = graph.bucket_for(batch_size, reqs[0].cached_len) if graph is not None else None
-    return {"seconds": sorted(times)[len(times) // 2], "path": runner.last_forward_path, "bucket": bucket,
-            "backend": runner.attention_backend_name}
+    return {"seconds": sorted(times)[len(times) // 2], "path": getattr(runner, "last_forward_path", "eager"), "bucket": bucket,
+            "backend": runner.attention_backend_name, "capture_seconds": graph.capture_seconds if graph is not None else 0.0}
+
+
+class BareAttention(AttentionBackend):
+    """No attention and no KV storage: each token's output is its own query. A model pass with it
+    is everything else a pass does (embedding, projections, norms, MLP, logits): the ceiling of any
+    attention backend and any scheduler."""
+
+    def forward(self, q, k, v, layer_id, batch):
+        return q
+
+
+@torch.inference_mode()
+def bare_forward_latency(model: CausalLM, batch_size: int, context_len: int = 128, steps: int = 10) -> float:
+    """Seconds (median of ``steps``, after a warm-up) of a decode-shaped pass of ``batch_size``
+    requests with ``BareAttention``."""
+    batch = ForwardBatch.build([[1]] * batch_size, [context_len] * batch_size, BareAttention(), device=model.device)
+    times = []
+    for step in range(steps + 1):
+        synchronize(model.device)
+        start = time.perf_counter()
+        model(batch)
+        synchronize(model.device)
+        if step:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

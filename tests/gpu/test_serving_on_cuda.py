@@ -1,5 +1,5 @@
 """Stage 9 on CUDA: the server's scheduler process runs stage 8's engine on the GPU in bfloat16, with
-decodes replayed from CUDA graphs (not graded; `make test-gpu`).
+decodes replayed from CUDA graphs (not graded; run by `make gpu-check-full`).
 
 On a CPU machine the test is an explicit skip that says why; under ENGINE_REQUIRE_GPU=1 a missing
 GPU is a failure instead.

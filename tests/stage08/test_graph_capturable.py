@@ -12,64 +12,21 @@ bucket's static batch, attention included):
 
 On a CPU the runner runs that same region eagerly, so these tests watch it through torch's
 function and dispatch hooks, across buckets and padded batches, and name the offending call.
+
+Around the region, a whole decode step of the engine is counted the same way: the host reads
+(each a wait for the GPU) and host-to-device copies it makes are named, and must be the few
+listed below. (The watch itself is tested in tests/course/test_capture_watch.py.)
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from graph_helpers import prompts_of, run_pass, runners, start
-from reference import engine_model
-
-HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-FROM_PYTHON_DATA = {"tensor", "as_tensor", "from_numpy"}
-DATA_DEPENDENT_SHAPES = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-                         "_local_scalar_dense", "lift_fresh", "lift_fresh_copy"}
-
-
-class FunctionWatch(TorchFunctionMode):
-    def __init__(self, found: list[str]):
-        super().__init__()
-        self.found = found
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name in HOST_READS:
-            self.found.append(f"Tensor.{name}() reads a device value on the host")
-        elif name in FROM_PYTHON_DATA:
-            self.found.append(f"torch.{name}(...) builds a tensor from Python data")
-        return func(*args, **(kwargs or {}))
-
-
-class DispatchWatch(TorchDispatchMode):
-    def __init__(self, found: list[str]):
-        super().__init__()
-        self.found = found
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in DATA_DEPENDENT_SHAPES:
-            self.found.append(f"aten.{name}: a result whose shape or value is read from the data")
-        elif name in ("index", "index_put_", "index_put") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) if i is not None
-        ):
-            self.found.append(f"aten.{name} with a boolean mask: a result shape that depends on the data")
-        return func(*args, **(kwargs or {}))
-
-
-class WatchedModel:
-    """Stands in for the graph runner's model: runs it, and notes everything not capturable."""
-
-    def __init__(self, model):
-        self.model, self.found, self.calls = model, [], 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        with FunctionWatch(self.found), DispatchWatch(self.found):
-            return self.model(*args, **kwargs)
+from host_watch import HostWatch, WatchedModel
+from reference import engine_model, engine_tokenizer
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s08_cuda_graph.engine import Engine
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -84,27 +41,48 @@ def test_the_captured_region_reads_nothing_on_the_host(tiny_models_root, family,
         run_pass(runner, reqs[:size])
         assert runner.last_forward_path == "graph", f"a decode of {size} should take the graph path, took {runner.last_forward_path!r}"
     assert watched.calls == 7, f"the graph path should run the model once per decode, ran it {watched.calls} times"
-    problems = sorted(set(watched.found))
+    problems = watched.found
     assert not problems, (
         "inside the region a CUDA graph records (the static batch's model pass), nothing may depend on the host "
         "or on data-dependent shapes; found:\n  " + "\n  ".join(problems)
     )
 
 
-def test_the_watch_catches_what_breaks_a_capture(tiny_models_root):
-    """The watch itself: a decode that reads lengths on the host is reported (so the test above can fail)."""
-    runner, _ = runners(engine_model(str(tiny_models_root / "llama")))
-    backend = runner.attn_backend
-    original = backend.forward_decode_graph
+# What a steady decode step of the engine may still do on the host, by name. Everything else
+# would be a new wait for the GPU (a read) or a new host-to-device copy in every step.
+HOST_READS_PER_DECODE_STEP = [
+    # The sampled tokens come back to the host: the scheduler appends them, checks stop
+    # conditions and streams them. The one wait a step cannot avoid (stage 10's overlap
+    # scheduling hides it behind the next step's preparation).
+    ("Tensor.tolist()", "s05_continuous_batching/scheduler.py in process_batch_result"),
+]
+COPIES_PER_DECODE_STEP = [
+    # Both from pinned memory with non_blocking=True (s00 device.host_to_device): queued, not waited for.
+    ("torch.tensor(...)", "s00_foundation/device.py in host_to_device"),  # token ids, positions and table rows, in one
+    ("torch.tensor(...)", "s00_foundation/device.py in host_to_device"),  # the new tokens' slots (the allocator's out_cache_loc)
+]
 
-    def host_reading_decode(q, k, v, layer_id, meta):
-        lengths = torch.tensor(meta.seq_lens.tolist())  # what a per-request loop would do
-        assert lengths.numel() == q.shape[0]
-        return original(q, k, v, layer_id, meta)
 
-    backend.forward_decode_graph = host_reading_decode
-    watched = runner.cuda_graph_runner.model = WatchedModel(runner.cuda_graph_runner.model)
-    reqs = start(runner, prompts_of(3))
-    run_pass(runner, reqs)
-    run_pass(runner, reqs)
-    assert any("tolist" in p for p in watched.found) and any("torch.tensor" in p for p in watched.found), watched.found
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph path"])
+def test_host_syncs_and_copies_per_decode_step(tiny_models_root, graphs):
+    """A steady decode step (no request joins or leaves) reads one thing back from the device,
+    the sampled tokens, and copies its inputs to the device in two non-blocking copies."""
+    path = str(tiny_models_root / "llama")
+    engine = Engine(engine_model(path), engine_tokenizer(path), pool_size=512, max_running_requests=8,
+                    disable_cuda_graph=not graphs)
+    for i in range(3):
+        engine.add_request(prompts_of(3)[i], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    engine.step(), engine.step()  # the prefill, a first decode
+    watch = HostWatch()
+    with watch:
+        engine.step()
+    expected_path = "graph" if graphs else "eager"
+    assert engine.runner.last_forward_path == expected_path, f"the decode took the {engine.runner.last_forward_path!r} path"
+    assert sorted(watch.reads) == sorted(HOST_READS_PER_DECODE_STEP), (
+        f"{expected_path} decode step: host reads of device values (each one waits for the GPU): expected only "
+        f"{HOST_READS_PER_DECODE_STEP}, saw {watch.reads}"
+    )
+    assert sorted(watch.from_python) == sorted(COPIES_PER_DECODE_STEP), (
+        f"{expected_path} decode step: tensors built from Python data (host-to-device copies on a GPU): expected the "
+        f"{len(COPIES_PER_DECODE_STEP)} of host_to_device (ForwardBatch.build, the allocator), saw {watch.from_python}"
+    )

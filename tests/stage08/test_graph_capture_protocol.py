@@ -9,10 +9,12 @@ swap torch.cuda's stream and graph API for stand-ins that behave as CUDA does wh
   Unlike CUDA it re-runs the pass's Python too; that the pass holds nothing but device work is
   test_graph_capturable.py's concern.
 
-Then the runner is told it is on CUDA and must: warm each bucket up ``NUM_WARMUP_RUNS`` times on a
-side stream before recording it, record one pass per bucket into the one shared memory pool, keep
-the graph and its output, and answer every later decode of that bucket by replaying it, with the
-same logits as stage 4's eager runner. ``make test-gpu`` checks the same on a real GPU.
+Then the runner is told it is on CUDA and captures, as an engine does when it starts: every
+bucket, largest first, each warmed up ``NUM_WARMUP_RUNS`` times on a side stream before one pass
+is recorded into the one shared memory pool; it keeps each graph and its output, and answers
+every decode by replaying its bucket's graph, with the same logits as stage 4's eager runner. A
+capture that fails stops the start with a message naming the bucket and how to run without
+graphs. ``make gpu-check`` checks the same on a real GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import torch
 
 from graph_helpers import prompts_of, run_pass, runners, start
 from reference import engine_model
-from s04_paged_kv_pool.engine import prepare_forward
 from s08_cuda_graph import cuda_graph_runner as cgr
 
 
@@ -60,6 +61,8 @@ class FakeCUDA:
         monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
         monkeypatch.setattr(torch.cuda, "graph", self.graph)
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: fake.pool)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
     def new_stream(self, device=None, **kwargs) -> FakeStream:
         self.side_streams.append(FakeStream("side"))
@@ -113,7 +116,8 @@ class RecordingModel:
 
 
 def graph_runner_on_fake_cuda(monkeypatch, family: str, **knobs):
-    """(stage 8 runner told it is on CUDA, stage 4 runner, the fake CUDA)."""
+    """(stage 8 runner told it is on CUDA, stage 4 runner, the fake CUDA); nothing captured yet:
+    ``runner.cuda_graph_runner.capture()`` does what an engine's start does."""
     graph, eager = runners(engine_model(family), **knobs)
     cuda = FakeCUDA()
     cuda.install(monkeypatch)
@@ -124,90 +128,78 @@ def graph_runner_on_fake_cuda(monkeypatch, family: str, **knobs):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_capture_warms_up_on_a_side_stream_then_records_one_pass_per_bucket(monkeypatch, tiny_models_root, family):
+def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monkeypatch, tiny_models_root, family):
     graph, eager, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / family))
     runner = graph.cuda_graph_runner
+    runner.capture()
+    expected = sorted(((bs, kv) for bs in runner.capture_bs for kv in runner.capture_kv_lens), reverse=True)
+    assert list(runner.graphs) == expected, (
+        f"capture() must record a graph for every bucket, largest first (so smaller graphs reuse the largest one's "
+        f"memory): expected {expected}, got {list(runner.graphs)}"
+    )
+    assert set(runner.output_buffers) == set(runner.graphs), "keep each graph's output logits in output_buffers, under its bucket"
+    per_bucket = [cuda.events[i : i + cgr.NUM_WARMUP_RUNS + 2] for i in range(0, len(cuda.events), cgr.NUM_WARMUP_RUNS + 2)]
+    assert len(per_bucket) == len(expected), f"{len(cuda.events)} events for {len(expected)} buckets: {cuda.events[:8]}..."
+    for bucket, events in zip(expected, per_bucket):
+        warmups, capture, recorded = events[: cgr.NUM_WARMUP_RUNS], events[-2], events[-1]
+        assert warmups == [("model", "side", False)] * cgr.NUM_WARMUP_RUNS, (
+            f"bucket {bucket}: run the model {cgr.NUM_WARMUP_RUNS} times on a side stream (torch.cuda.Stream, with "
+            f"torch.cuda.stream(...)) before the capture; saw {events}"
+        )
+        assert capture == ("capture", cuda.pool), f"bucket {bucket}: then one capture into the shared graph_pool (pool=self.graph_pool); saw {events}"
+        assert recorded[0] == "model" and recorded[2], f"bucket {bucket}: the capture must record one model pass; saw {events}"
+
+    cuda.events.clear()
     sizes = [5, 5, 4, 3, 3, 1]  # buckets 8, 8, 4, 4, 4, 1
     prompts = prompts_of(5)
     mine, theirs = start(graph, prompts), start(eager, prompts)
     run_pass(graph, mine), run_pass(eager, theirs)  # the prefill: eager on both
     for step, size in enumerate(sizes):
-        events_before = len(cuda.events)
-        _, expected = run_pass(eager, theirs[:size])
-        _, got = run_pass(graph, mine[:size], tokens=expected.argmax(-1).tolist())
+        _, expected_logits = run_pass(eager, theirs[:size])
+        _, got = run_pass(graph, mine[:size], tokens=expected_logits.argmax(-1).tolist())
         assert graph.last_forward_path == "graph", f"decode {step} ({size} requests) took the {graph.last_forward_path!r} path"
-        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (
-            f"decode {step}: replayed logits differ from the eager runner's by {(got - expected).abs().max().item():.3g}"
+        assert torch.allclose(got, expected_logits, rtol=1e-4, atol=1e-4), (
+            f"decode {step}: replayed logits differ from the eager runner's by {(got - expected_logits).abs().max().item():.3g}"
         )
-        new = cuda.events[events_before:]
-        first_use = step == 0 or runner.bucket_for(size, 1)[0] != runner.bucket_for(sizes[step - 1], 1)[0]
-        if first_use:
-            warmups = [e for e in new if e[0] == "model" and not e[2]]
-            assert warmups == [("model", "side", False)] * cgr.NUM_WARMUP_RUNS, (
-                f"decode {step}: a new bucket must run the model {cgr.NUM_WARMUP_RUNS} times on a side stream "
-                f"(torch.cuda.Stream, with torch.cuda.stream(...)) before the capture; saw {new}"
-            )
-            captures = [i for i, e in enumerate(new) if e[0] == "capture"]
-            assert len(captures) == 1 and captures[0] > max(i for i, e in enumerate(new) if e in warmups), (
-                f"decode {step}: exactly one capture, after the warm-up runs; saw {new}"
-            )
-            assert new[captures[0]][1] is cuda.pool, "every capture must share the runner's graph_pool (pool=self.graph_pool)"
-            assert new[captures[0] + 1][0] == "model" and new[captures[0] + 1][2], "the capture must record one model pass"
-        else:
-            assert new == [], f"decode {step}: a bucket already captured must only replay (no model call, no capture); saw {new}"
-    buckets = {runner.bucket_for(s, max(r.device_len for r in mine[:s]))[0] for s in sizes}
-    assert {bs for bs, _ in runner.graphs} == buckets, f"graphs captured for {sorted(runner.graphs)}, expected batch sizes {sorted(buckets)}"
-    assert set(runner.output_buffers) == set(runner.graphs), "keep each graph's output logits in output_buffers, under its bucket"
+    assert [e for e in cuda.events if e[0] == "capture" or e[1] == "side"] == [], (
+        f"after the start, decodes must only replay (no warm-up, no capture): saw {cuda.events[:6]}"
+    )
     assert sum(g.replays for g in runner.graphs.values()) == len(sizes), "every decode must replay its bucket's graph once"
 
 
 def test_capture_records_the_buckets_static_batch_and_waits_for_the_side_stream(monkeypatch, tiny_models_root):
     graph, _, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / "llama"))
     runner = graph.cuda_graph_runner
-    reqs = start(graph, prompts_of(3))
-    run_pass(graph, reqs)
-    run_pass(graph, reqs)  # bucket 4: warm-up, capture, replay
-    (bucket,) = runner.graphs
-    model, args, kwargs, output = runner.graphs[bucket].recorded
-    assert args[0] is runner.batches[bucket], "the graph must record a pass over the bucket's static batch (views of the buffers)"
-    assert kwargs.get("return_all_logits") or (len(args) > 1 and args[1]), "record the logits of every row (return_all_logits=True)"
-    assert runner.output_buffers[bucket] is output, "output_buffers must hold the very tensor the captured pass returned"
-    assert output.shape[0] == bucket[0], f"the captured output has a row per bucket row ({bucket[0]}), got {tuple(output.shape)}"
+    runner.capture()
+    for bucket in [(4, 64), (8, 256)]:
+        model, args, kwargs, output = runner.graphs[bucket].recorded
+        assert args[0] is runner.batches[bucket], f"bucket {bucket}: the graph must record a pass over the bucket's static batch (views of the buffers)"
+        assert kwargs.get("return_all_logits") or (len(args) > 1 and args[1]), "record the logits of every row (return_all_logits=True)"
+        assert runner.output_buffers[bucket] is output, "output_buffers must hold the very tensor the captured pass returned"
+        assert output.shape[0] == bucket[0], f"the captured output has a row per bucket row ({bucket[0]}), got {tuple(output.shape)}"
     assert cuda.side_streams and all("default" in s.waited_for for s in cuda.side_streams), (
         "the side stream must wait for the default stream before the warm-up (side.wait_stream(current_stream()))"
     )
     assert "side" in cuda.default.waited_for, "the default stream must wait for the side stream after the warm-up"
 
 
-def test_a_capture_that_failed_is_captured_again_not_replayed(monkeypatch, tiny_models_root):
-    """A capture can fail (out of GPU memory, say). The decode that asked for it fails with it,
-    but the bucket must not look ready afterwards: the same decode tried again captures afresh."""
-    graph, eager, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / "llama"))
+def test_a_capture_that_fails_stops_the_start_naming_the_bucket(monkeypatch, tiny_models_root):
+    """A capture can fail (out of GPU memory, say). It must fail when the engine starts, not in
+    the middle of serving, and say which bucket failed and how to run without graphs."""
+    graph, _, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / "llama"))
     runner = graph.cuda_graph_runner
-    prompts = prompts_of(3)
-    mine, theirs = start(graph, prompts), start(eager, prompts)
-    run_pass(graph, mine), run_pass(eager, theirs)  # the prefill: eager on both
     recording = runner.model
 
-    def fails_while_capturing(*args, **kwargs):
-        if cuda.capturing is not None:
+    def fails_while_capturing_bucket_4_128(batch, **kwargs):
+        kv_len = runner.attn_backend.decode_metadata.kv_indices.shape[1]  # the bucket being set up
+        if cuda.capturing is not None and (batch.num_reqs, kv_len) == (4, 128):
             raise RuntimeError("CUDA out of memory (planted by the test, during the capture)")
-        return recording(*args, **kwargs)
+        return recording(batch, **kwargs)
 
-    batch = prepare_forward(graph, mine)
-    runner.model = fails_while_capturing
-    with pytest.raises(RuntimeError):
-        graph.forward(batch)
-    runner.model = recording
-    _, expected = run_pass(eager, theirs)
-    try:
-        got = graph.forward(batch)
-    except KeyError as missing:
-        pytest.fail(f"after a failed capture, bucket {missing} was taken as captured and replay found no graph: "
-                    "register a bucket (self.batches) only once its capture has succeeded", pytrace=False)
-    assert graph.last_forward_path == "graph", f"the decode tried again took the {graph.last_forward_path!r} path"
-    (bucket,) = runner.graphs
-    assert runner.graphs[bucket].replays == 1, "the decode tried again must capture the bucket and replay it once"
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (
-        f"after the capture was retried the logits differ from the eager runner's by {(got - expected).abs().max().item():.3g}"
-    )
+    runner.model = fails_while_capturing_bucket_4_128
+    with pytest.raises(RuntimeError) as failure:
+        runner.capture()
+    message = str(failure.value)
+    assert "bs=4" in message and "kv_len=128" in message, f"the error must name the bucket that failed (bs=4, kv_len=128): {message}"
+    assert "--disable-cuda-graph" in message, f"the error must say how to run without graphs (--disable-cuda-graph): {message}"
+    assert "out of memory" in message, f"the error must carry the capture's own error: {message}"

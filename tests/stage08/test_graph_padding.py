@@ -34,9 +34,13 @@ def test_a_batch_of_3_is_padded_to_4_with_dummy_requests(tiny_models_root):
     assert seq_lens == [r.device_len - 1 for r in three] + [1], (
         f"static seq_lens: the real requests' lengths, then 1 for the padding row; got {seq_lens}"
     )
+    static = graph.batches[graph.bucket_for(3, max(batch.seq_lens))]
+    assert static.seq_lens == batch.seq_lens + [1], (
+        f"the bucket's static batch says what its rows hold (the real lengths, then 1 for the padding): {static.seq_lens}"
+    )
     assert (runner.req_to_token_pool.req_to_token[dummy_row] == DUMMY_SLOT).all(), "the dummy table row must hold only the dummy slot"
     assert dummy_row not in runner.req_to_token_pool.free_slots, "the dummy row must never be handed to a request"
-    meta = runner.attn_backend.graph_metadata
+    meta = runner.attn_backend.decode_metadata
     assert meta.kv_indices.shape[0] == 4 and (meta.kv_indices[3] == DUMMY_SLOT).all(), (
         "the attention metadata of the padding row must point only at the dummy slot"
     )

@@ -1,0 +1,211 @@
+"""Decode attention for the whole batch at once: one attention call per layer, eager or replayed.
+
+Stage 4's backend attends request by request: a decode step of 64 requests runs 64 small SDPA
+calls (plus their transposes and slices) in every layer, and prepares its index arrays on the
+host (``.tolist()``, a Python loop, an array as long as all the contexts together). That is slow
+on any device, and a CUDA graph cannot record it at all. A decode sends one query per request,
+so the whole batch fits one dense block instead::
+
+    decode metadata (bs requests, keys up to kv_len), built on the device once per step
+
+    kv_indices [bs, kv_len]   kv_indices[i, j] = req_to_token[req_pool_indices[i], j]
+    key_mask   [bs, kv_len]   key_mask[i, j]   = j < seq_lens[i]
+
+    request 0 (seq_len 3):  kv_indices = [ 7  8  9  0  0 ...]   key_mask = [1 1 1 0 0 ...]
+    padding   (dummy row):  kv_indices = [ 0  0  0  0  0 ...]   key_mask = [1 0 0 0 0 ...]
+
+and every layer writes the new K/V (``pool[out_cache_loc] = k, v``), gathers
+``pool.index_select(kv_indices)`` (a dense [bs, kv_len] block) and runs ONE masked SDPA for the
+batch: no loop, no host work, no shape that depends on the batch's contents.
+
+The same path serves two callers:
+
+- eager (``init_forward_metadata``): kv_len is the batch's longest sequence, the metadata are
+  fresh tensors; in a MIXED batch the leading decode rows take this path and the extend rows
+  stage 4's per-request one.
+- a CUDA graph (``init_forward_metadata_capture/replay_cuda_graph``): kv_len is the bucket's, the
+  metadata are views of buffers allocated once (``init_cuda_graph_state``) and refilled in place
+  before each replay, so the recorded kernels read the current batch. A padded row has seq_len 1
+  and sees exactly one key, the dummy slot it just wrote: finite values, output thrown away.
+
+Which path a pass takes is the batch's own ``forward_mode`` (DECODE, MIXED, EXTEND).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from s00_foundation.forward_batch import ForwardBatch, ForwardMode, leading_decodes
+from s04_paged_kv_pool.flash_backend import BLOCK_TABLE_PAGE_MULTIPLE, FlashAttentionBackend
+from s04_paged_kv_pool.paged_backend import PagedAttentionBackend
+
+DECODE_CACHE_BYTES = 8 << 20  # a CPU decode attends in groups of rows whose K and V fit this (see decode_rows_per_call)
+
+try:
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:  # CPU machines, or CUDA without the optional extra
+    flash_attn_with_kvcache = None
+
+
+@dataclass
+class DecodeMetadata:
+    """The decode rows' metadata: fresh tensors (eager) or views of the graph buffers (a bucket)."""
+
+    kv_indices: torch.Tensor  # [bs, kv_len] int64 pool slots, row i = request i's table row
+    key_mask: torch.Tensor  # [bs, kv_len] bool, True where j < seq_lens[i]
+    seq_lens: torch.Tensor  # [bs] int32, each decode row's length including its new token
+
+
+class DecodeAttentionBackend(PagedAttentionBackend):
+    """Stage 4's torch backend for extends, and one batched attention per layer for decodes."""
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool):
+        super().__init__(req_to_token_pool, token_to_kv_pool)
+        self.decode_metadata: DecodeMetadata | None = None  # this pass's decode rows (eager or a bucket)
+        self.extend_batch: ForwardBatch | None = None  # a MIXED pass's extend rows, for stage 4's path
+        self.bucket_metadata: dict[tuple[int, int], DecodeMetadata] = {}
+        self.key_positions = torch.arange(req_to_token_pool.max_context_len, device=req_to_token_pool.req_to_token.device)
+
+    # --- the metadata ---------------------------------------------------------------------------
+
+    def fill_decode_metadata(self, meta: DecodeMetadata, req_pool_indices: torch.Tensor) -> None:
+        """Fill ``meta.kv_indices`` and ``meta.key_mask`` in place for the requests in the table
+        rows ``req_pool_indices``, whose lengths are already in ``meta.seq_lens``. Device work
+        only (no .tolist(), no loop): it runs before every replay of a graph."""
+        kv_len = meta.kv_indices.shape[1]
+        raise NotImplementedError("Stage 8: copy_ the first kv_len slots of each request's table row (req_to_token[req_pool_indices]) into meta.kv_indices, and \"key position < seq_len\" (self.key_positions, meta.seq_lens) into meta.key_mask - see stages/s08_cuda_graph/README.md")
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Eagerly, once per pass: decode metadata for the leading decode rows (kv_len = their
+        longest sequence), stage 4's metadata for the extend rows of a MIXED or EXTEND batch."""
+        mode = batch.forward_mode
+        if mode is ForwardMode.EXTEND:
+            self.decode_metadata = None
+            return super().init_forward_metadata(batch)
+        d = leading_decodes(batch.extend_lens)
+        kv_len = max(batch.seq_lens[:d])
+        device = batch.positions.device
+        # A decode token sits at position seq_len - 1: the lengths come from the device, no copy.
+        seq_lens = (batch.positions[:d] + 1).to(torch.int32)
+        self.decode_metadata = DecodeMetadata(
+            torch.empty((d, kv_len), dtype=torch.int64, device=device), torch.empty((d, kv_len), dtype=torch.bool, device=device),
+            seq_lens,
+        )
+        self.fill_decode_metadata(self.decode_metadata, batch.req_pool_indices[:d])
+        self.extend_batch = None
+        if mode is ForwardMode.MIXED:
+            t = d  # the decode rows' tokens come first, one each
+            self.extend_batch = replace(
+                batch, input_ids=batch.input_ids[t:], positions=batch.positions[t:], extend_lens=batch.extend_lens[d:],
+                seq_lens=batch.seq_lens[d:], req_pool_indices=batch.req_pool_indices[d:], out_cache_loc=batch.out_cache_loc[t:],
+                forward_mode=ForwardMode.EXTEND,
+            )
+            super().init_forward_metadata(self.extend_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_kv_len: int) -> None:
+        """Allocate the graphs' metadata buffers once, sized for the largest bucket (flat, so that
+        every bucket's [bs, kv_len] view of them is contiguous)."""
+        device = self.req_to_token_pool.req_to_token.device
+        self.cuda_graph_kv_indices = torch.zeros(max_bs * max_kv_len, dtype=torch.int64, device=device)
+        self.cuda_graph_key_mask = torch.zeros(max_bs * max_kv_len, dtype=torch.bool, device=device)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, kv_len: int, seq_lens: torch.Tensor) -> None:
+        """Give bucket (bs, kv_len) its views (``seq_lens``: the runner's static [bs] lengths);
+        the graph captured next reads exactly these tensors."""
+        n = bs * kv_len
+        meta = DecodeMetadata(self.cuda_graph_kv_indices[:n].view(bs, kv_len), self.cuda_graph_key_mask[:n].view(bs, kv_len), seq_lens)
+        self.bucket_metadata[bs, kv_len] = meta
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, kv_len: int, req_pool_indices: torch.Tensor) -> None:
+        """Refill bucket (bs, kv_len)'s views for the batch now in the runner's static buffers."""
+        meta = self.bucket_metadata[bs, kv_len]
+        self.fill_decode_metadata(meta, req_pool_indices)
+        self.decode_metadata, self.extend_batch = meta, None
+
+    # --- the forward pass -----------------------------------------------------------------------
+
+    def forward(self, q, k, v, layer_id, batch):
+        mode = batch.forward_mode
+        if mode is ForwardMode.EXTEND:
+            return super().forward(q, k, v, layer_id, batch)
+        meta = self.decode_metadata
+        if meta is None:
+            raise RuntimeError(f"a {mode.value} batch but no decode metadata: call init_forward_metadata(batch) before model(batch)")
+        d = meta.kv_indices.shape[0]
+        decoded = self.forward_decode(q[:d], k[:d], v[:d], layer_id, batch.out_cache_loc[:d], meta)
+        if mode is ForwardMode.DECODE:
+            return decoded
+        extended = super().forward(q[d:], k[d:], v[d:], layer_id, self.extend_batch)
+        return torch.cat([decoded, extended])
+
+    def forward_decode(self, q, k, v, layer_id: int, out_cache_loc: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        """One new token per row: q [bs, H, D], k, v [bs, KVH, D] -> [bs, H, D]. On a CPU the rows
+        go in groups whose gathered K/V stay in the caches (``decode_rows_per_call``)."""
+        self.token_to_kv_pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
+        bs, kv_len = meta.kv_indices.shape
+        rows = self.decode_rows_per_call(bs, kv_len, k)
+        if rows >= bs:
+            return self.attend_decode(q, layer_id, meta.kv_indices, meta.key_mask)
+        return torch.cat([self.attend_decode(q[i : i + rows], layer_id, meta.kv_indices[i : i + rows], meta.key_mask[i : i + rows])
+                          for i in range(0, bs, rows)])
+
+    def decode_rows_per_call(self, bs: int, kv_len: int, k: torch.Tensor) -> int:
+        """All rows in one call on a GPU. On a CPU, as many rows as keep their gathered K and V
+        under DECODE_CACHE_BYTES: one call over 64 requests x 1024 keys gathers 100 MB per layer
+        and took 74 ms; in calls of 4-16 rows, each gathered block read while still in the cache,
+        30-37 ms (the per-request loop: 31 ms). At 128 keys one call is best (3.3 ms vs 3.6)."""
+        if k.device.type != "cpu":
+            return bs
+        row_bytes = 2 * kv_len * k.shape[1] * k.shape[2] * k.element_size()
+        return max(1, DECODE_CACHE_BYTES // row_bytes)
+
+    def attend_decode(self, q, layer_id: int, kv_indices: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Attention of one new token per row over its keys: q [n, H, D], kv_indices / key_mask
+        [n, kv_len] -> [n, H, D], in one SDPA call."""
+        pool = self.token_to_kv_pool
+        n, kv_len = kv_indices.shape
+        raise NotImplementedError("Stage 8: gather this layer's K and V rows at kv_indices (index_select on the flattened indices, viewed as [n, kv_len, KVH, D]); then one SDPA call: queries [n, H, 1, D], keys/values [n, KVH, kv_len, D], attn_mask from key_mask, enable_gqa=True - see stages/s08_cuda_graph/README.md")
+
+
+class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend):
+    """flash-attn everywhere (stage 4's varlen kernel for extends), and ``flash_attn_with_kvcache``
+    for decodes: it takes per-row lengths (``cache_seqlens``), so padded keys cost no math.
+
+    flash-attn 2 reads a paged cache through a block table only in pages of 256 slots or more
+    (stage 4's flash_backend.py says why). With such pages the kernel reads the pool in place;
+    with smaller ones (1 by default) the decode gathers a dense [bs, kv_len] copy first, as the
+    torch path does, and the kernel stops at each row's length.
+    """
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool):
+        if flash_attn_with_kvcache is None:
+            raise RuntimeError('flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend')
+        super().__init__(req_to_token_pool, token_to_kv_pool)
+        self.paged = token_to_kv_pool.page_size % BLOCK_TABLE_PAGE_MULTIPLE == 0
+
+    def block_table(self, meta: DecodeMetadata) -> torch.Tensor:
+        """The page ids of each row's first kv_len positions: the slot of every page's first
+        position, divided by the page size (a [bs, pages] view, no copy of the pool)."""
+        p = self.token_to_kv_pool.page_size
+        return (meta.kv_indices[:, ::p] // p).to(torch.int32)
+
+    def forward_decode(self, q, k, v, layer_id, out_cache_loc, meta):
+        pool = self.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        if self.paged:
+            p = pool.page_size
+            keys = k_buffer.view(-1, p, *k_buffer.shape[1:])  # [num_pages + 1, page_size, KVH, D]
+            values = v_buffer.view(-1, p, *v_buffer.shape[1:])
+            extra = {"block_table": self.block_table(meta)}
+        else:
+            bs, kv_len = meta.kv_indices.shape
+            flat = meta.kv_indices.view(-1)
+            keys = k_buffer.index_select(0, flat).view(bs, kv_len, *k_buffer.shape[1:])
+            values = v_buffer.index_select(0, flat).view(bs, kv_len, *v_buffer.shape[1:])
+            extra = {}
+        out = flash_attn_with_kvcache(q[:, None].contiguous(), keys, values, cache_seqlens=meta.seq_lens, causal=True, **extra)
+        return out[:, 0]

@@ -1,0 +1,346 @@
+"""The steps of tools/gpu_check.py, each run in a process of its own (see there).
+
+A step is a list of checks; each check ends PASS, FAIL or SKIP with one line of detail and its
+figures, and the result file is rewritten after every check, so a step killed at its timeout
+still reports the checks it finished.
+
+The models are random-weight ones of real shapes (s08 decode_latency.py): SmolLM2-135M's and
+Qwen3-0.6B's on a GPU, four-layer stand-ins of the same families in the CPU rehearsal. Random
+weights make near-uniform logits: greedy ties are common, so bfloat16 comparisons accept a
+different token only where the eager logits of the two tokens are within rounding of each other.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import impl_switch  # noqa: E402
+
+impl_switch.install()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from s00_foundation.attention import NoCacheBackend  # noqa: E402
+from s00_foundation.device import describe, set_torch_threads  # noqa: E402
+from s00_foundation.forward_batch import ForwardBatch  # noqa: E402
+from s02_request_and_sampling.sampling_params import SamplingParams  # noqa: E402
+from s04_paged_kv_pool.paged_backend import PagedAttentionBackend  # noqa: E402
+from s08_cuda_graph.cuda_graph_runner import DUMMY_SLOT, capture_bs_buckets, kv_len_buckets  # noqa: E402
+from s08_cuda_graph.decode_latency import (  # noqa: E402
+    PATHS, QWEN3_0_6B, SMALL_QWEN3, SMALL_SMOLLM2, SMOLLM2_135M, decode_step_latency, random_model,
+)
+from s08_cuda_graph.engine import Engine  # noqa: E402
+from s08_cuda_graph.model_runner import ModelRunner  # noqa: E402
+
+READ_SLOTS = 16384  # K/V slots filled with random values that decodes read and never write
+
+
+class Checks:
+    """The checks of one step, written to the result file as they finish."""
+
+    def __init__(self, result_file: Path, rehearsal: bool, quick: bool):
+        self.result_file, self.rehearsal, self.quick = result_file, rehearsal, quick
+        self.device = torch.device("cpu" if rehearsal else "cuda")
+        self.done: list[dict] = []
+
+    @contextmanager
+    def check(self, name: str):
+        """Run a check's body; it fills record["detail"] / ["data"] and may set ["status"]."""
+        record = {"check": name, "status": "PASS", "detail": "", "data": {}}
+        start = time.perf_counter()
+        print(f"--- {name}", flush=True)
+        try:
+            yield record
+        except Exception as error:  # the check failed; the step goes on with the next one
+            traceback.print_exc()
+            record["status"], record["detail"] = "FAIL", f"{type(error).__name__}: {error}"[:600]
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        print(f"    {record['status']} {record['detail']}", flush=True)
+        self.done.append(record)
+        self.result_file.write_text(json.dumps(self.done, indent=1))
+
+    # what to run, by mode
+    def shapes(self) -> list[tuple[str, dict]]:
+        if self.quick:
+            return [("qwen3-shape (small)", SMALL_QWEN3)]
+        if self.rehearsal:
+            return [("smollm2-shape (small)", SMALL_SMOLLM2), ("qwen3-shape (small)", SMALL_QWEN3)]
+        return [("smollm2-135m-shape", SMOLLM2_135M), ("qwen3-0.6b-shape", QWEN3_0_6B)]
+
+    def graph_limits(self) -> tuple[int, int]:
+        """(cuda_graph_max_bs, cuda_graph_max_kv_len): the engine's defaults on a GPU."""
+        if self.quick:
+            return 2, 64
+        return (8, 256) if self.rehearsal else (64, 4096)
+
+
+# --- graphs: capture, logits per bucket, replays, the dummy slot ---------------------------------
+
+
+def decode_batch(runner, n: int, kv_len: int, write_from: int, generator: torch.Generator) -> ForwardBatch:
+    """A decode of n requests in table rows 0..n-1, the longest exactly kv_len tokens long: their
+    earlier positions read random slots of the read-only region, each new token writes its own
+    slot from ``write_from`` on (so batches never overwrite what another batch reads)."""
+    device = runner.device
+    lens = torch.randint(1, kv_len + 1, (n,), generator=generator).tolist()
+    lens[0] = kv_len
+    table = runner.req_to_token_pool.req_to_token
+    page = runner.page_size
+    for row, length in enumerate(lens):
+        table[row, : length - 1] = torch.randint(page, page + READ_SLOTS, (length - 1,), generator=generator).to(device)
+        table[row, length - 1] = write_from + row
+    tokens = torch.randint(0, runner.model.config.vocab_size, (n,), generator=generator).tolist()
+    out_cache_loc = torch.arange(write_from, write_from + n, device=device)
+    return ForwardBatch.build([[t] for t in tokens], [length - 1 for length in lens], runner.attn_backend, device=device,
+                              req_pool_indices=list(range(n)), out_cache_loc=out_cache_loc)
+
+
+def eager_logits(runner, batch: ForwardBatch) -> torch.Tensor:
+    """The same decode through stage 4's per-request attention over the same pool."""
+    backend = PagedAttentionBackend(runner.req_to_token_pool, runner.token_to_kv_pool)
+    ref = ForwardBatch(batch.input_ids, batch.positions, batch.extend_lens, batch.seq_lens, backend,
+                       batch.req_pool_indices, batch.out_cache_loc)
+    backend.init_forward_metadata(ref)
+    return runner.model(ref)
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(absolute, relative to the largest logit): float32 agrees to rounding, bfloat16 keeps 8 bits."""
+    return (1e-3, 1e-3) if dtype == torch.float32 else (0.06, 0.03)
+
+
+def graph_runner(ctx: Checks, model, max_bs: int | None = None, max_kv: int | None = None) -> ModelRunner:
+    """A stage-8 runner with graphs for every bucket up to (max_bs, max_kv) (default: the mode's
+    limits), and a pool with room for the read-only region plus every bucket's new tokens."""
+    default_bs, default_kv = ctx.graph_limits()
+    max_bs, max_kv = max_bs or default_bs, max_kv or default_kv
+    writes = sum(capture_bs_buckets(max_bs)) * len(kv_len_buckets(max_kv)) + max_bs  # every bucket once, and the padded check
+    return ModelRunner(model, pool_size=READ_SLOTS + writes, max_running_requests=max_bs, max_context_len=max_kv,
+                       attention_backend="torch", cuda_graph_max_bs=max_bs, cuda_graph_max_kv_len=max_kv)
+
+
+@torch.inference_mode()
+def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
+    for label, shape in ctx.shapes():
+        model = random_model(shape, ctx.device, dtype)
+        runner = None
+        with ctx.check(f"{label}: capture at start") as record:
+            runner = graph_runner(ctx, model)
+            graphs = runner.cuda_graph_runner
+            record["detail"] = graphs.describe()
+            record["data"] = {"buckets": len(graphs.batches), "graphs": len(graphs.graphs), "capture_seconds": graphs.capture_seconds,
+                              "graph_memory_mib": graphs.graph_memory_bytes / 2**20}
+            expected = len(graphs.capture_bs) * len(graphs.capture_kv_lens)
+            captured = len(graphs.graphs) if graphs.use_cuda_graph else len(graphs.batches)
+            if captured != expected or (graphs.use_cuda_graph and list(graphs.graphs) != graphs.buckets):
+                record["status"] = "FAIL"
+                record["detail"] += f"; expected {expected} buckets captured largest first, got {list(graphs.graphs)[:6]}..."
+        if runner is None:
+            continue
+        graphs = runner.cuda_graph_runner
+        pool = runner.token_to_kv_pool
+        generator = torch.Generator().manual_seed(0)
+        for buffer in pool.k_buffer + pool.v_buffer:
+            buffer.normal_(0.0, 1.0)
+        absolute, relative = tolerance(dtype)
+        write_from = runner.page_size + READ_SLOTS
+        batches = {}
+        with ctx.check(f"{label}: graph vs eager logits, every bucket") as record:
+            worst, failures, previous_bs = {}, [], 0
+            for bs in graphs.capture_bs:
+                n = bs - 1 if bs - 1 > previous_bs else bs  # a padded batch where the bucket allows one
+                previous_bs = bs
+                for kv_len in graphs.capture_kv_lens:
+                    batch = decode_batch(runner, n, kv_len, write_from, generator)
+                    write_from += n
+                    got = runner.forward(batch)
+                    assert runner.last_forward_path == "graph", f"bucket ({bs}, {kv_len}) took the {runner.last_forward_path} path"
+                    expected = eager_logits(runner, batch)
+                    diff = (got - expected).abs().max().item()
+                    worst[f"{bs}x{kv_len}"] = diff
+                    if (bs, kv_len) in (graphs.buckets[0], graphs.buckets[-1]):  # replayed again below
+                        batches[bs, kv_len] = (batch, got, runner.req_to_token_pool.req_to_token[:n].clone())
+                    if not diff <= absolute + relative * expected.abs().max().item():
+                        failures.append(f"({bs}, {kv_len}): {diff:.3g}")
+            record["data"] = {"max_abs_diff_per_bucket": worst}
+            record["detail"] = f"{len(worst)} buckets, largest difference {max(worst.values()):.3g} (tolerance {absolute} + {relative} x max|logit|)"
+            if failures:
+                record["status"], record["detail"] = "FAIL", record["detail"] + f"; over it: {', '.join(failures[:8])}"
+        with ctx.check(f"{label}: earlier graphs replayed after later ones") as record:
+            first, last = graphs.buckets[0], graphs.buckets[-1]  # the first captured (largest) and the last
+            again = []
+            for bucket in (first, last, first):
+                batch, before, rows = batches[bucket]
+                runner.req_to_token_pool.req_to_token[: len(rows)] = rows  # later batches reused the table rows
+                again.append((bucket, (runner.forward(batch) - before).abs().max().item()))
+            record["data"] = {"replays": again}
+            record["detail"] = ", ".join(f"{b}: {d:.3g}" for b, d in again) + " (difference from the first replay of each)"
+            if any(d != 0 for _, d in again):
+                record["status"] = "FAIL"
+        with ctx.check(f"{label}: padded rows write only the dummy slot") as record:
+            bs = graphs.capture_bs[-1]
+            n = graphs.capture_bs[-2] + 1 if len(graphs.capture_bs) > 1 else bs  # the most padding the largest bucket has
+            batch = decode_batch(runner, n, graphs.capture_kv_lens[0], write_from, generator)
+            before = [t.clone() for t in pool.k_buffer + pool.v_buffer]
+            runner.forward(batch)
+            assert graphs.bucket_for(n, max(batch.seq_lens))[0] == bs
+            changed = set()
+            for old, now in zip(before, pool.k_buffer + pool.v_buffer):
+                changed |= set((old != now).flatten(1).any(dim=1).nonzero().flatten().tolist())
+            allowed = set(batch.out_cache_loc.tolist()) | set(range(DUMMY_SLOT, runner.page_size))
+            stray = sorted(changed - allowed)
+            record["detail"] = f"{n} requests padded to {bs}: slots written {sorted(changed)[:6]}...; outside the real rows' and the dummy: {stray[:8]}"
+            if stray or not set(batch.out_cache_loc.tolist()) <= changed:
+                record["status"] = "FAIL"
+        del runner, model
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# --- engine: tokens with graphs equal those without ---------------------------------------------
+
+
+def logit_gap(model, prompt: list[int], output: list[int], a: int, b: int) -> float:
+    """How far apart tokens a and b are in the eager logits after prompt + output (one plain prefill)."""
+    batch = ForwardBatch.build([prompt + output], [0], NoCacheBackend(), device=model.device)
+    logits = model(batch)[0]
+    return abs(logits[a] - logits[b]).item()
+
+
+@torch.inference_mode()
+def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
+    label, shape = ctx.shapes()[0]
+    model = random_model(shape, ctx.device, dtype)
+    generator = torch.Generator().manual_seed(1)
+    count, longest, most_new = (3, 40, 10) if ctx.quick else (12, 300, 40)
+    lengths = torch.randint(3, longest, (count,), generator=generator).tolist()
+    prompts = [torch.randint(0, shape["vocab_size"], (k,), generator=generator).tolist() for k in lengths]
+    limits = torch.randint(most_new // 2, most_new, (count,), generator=generator).tolist()
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in limits]
+    max_bs, max_kv = ctx.graph_limits()
+    knobs = dict(pool_size=8192, max_running_requests=count, chunked_prefill_size=256, cuda_graph_max_bs=max_bs,
+                 cuda_graph_max_kv_len=max_kv)
+    with ctx.check(f"{label}: engine tokens with graphs = without") as record:
+        with_graphs = Engine(model, None, disable_cuda_graph=False, **knobs)
+        got = [o.output_ids for o in with_graphs.generate(prompts, params)]
+        without = Engine(model, None, disable_cuda_graph=True, **knobs)
+        expected = [o.output_ids for o in without.generate(prompts, params)]
+        paths = dict(with_graphs.runner.forward_paths)
+        assert paths.get("graph", 0) > 0, f"no decode took the graph path: {paths}"
+        same = sum(a == b for a, b in zip(got, expected))
+        ties, problems = [], []
+        for i, (a, b) in enumerate(zip(got, expected)):
+            if a == b:
+                continue
+            j = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+            gap = logit_gap(model, prompts[i], b[:j], a[j], b[j])
+            (ties if dtype != torch.float32 and gap <= 0.1 else problems).append(f"request {i} at token {j} (logit gap {gap:.3g})")
+        record["data"] = {"identical": same, "requests": count, "paths": paths, "near_ties": ties, "problems": problems}
+        record["detail"] = f"{same}/{count} requests identical, decodes {paths}"
+        if ties:
+            record["detail"] += f"; the others part at near-ties of the eager logits: {', '.join(ties[:4])}"
+        if problems:
+            record["status"], record["detail"] = "FAIL", record["detail"] + f"; differ beyond rounding: {', '.join(problems[:4])}"
+
+
+# --- which SDPA kernel the graph decode runs ----------------------------------------------------
+
+
+def attention_ops(run) -> list[str]:
+    """The attention operators (aten's SDPA variants) that ``run()`` dispatches to, seen by the
+    profiler (a Python dispatch mode does not see below SDPA under inference mode)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as profile:
+        run()
+    return sorted({e.name for e in profile.events() if "attention" in e.name and e.name != "aten::scaled_dot_product_attention"})
+
+
+@torch.inference_mode()
+def step_sdpa(ctx: Checks) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kv_len = 64 if ctx.quick else (256 if ctx.rehearsal else 1024)
+    for dtype in (torch.float32, torch.bfloat16):
+        for label, shape in ctx.shapes():
+            heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+            with ctx.check(f"{label}, {str(dtype).removeprefix('torch.')}: the graph decode's SDPA kernel") as record:
+                model = random_model(dict(shape, num_hidden_layers=1), ctx.device, dtype)
+                runner = graph_runner(ctx, model, max_bs=8, max_kv=kv_len)
+                graphs = runner.cuda_graph_runner
+                batch = decode_batch(runner, 8, kv_len, runner.page_size + READ_SLOTS, torch.Generator().manual_seed(2))
+                record["data"]["bucket"] = (8, kv_len)
+                bucket = graphs.replay_prepare(batch)
+                # the bucket's static batch, run eagerly: the operators its graph recorded
+                selected = attention_ops(lambda: graphs.model(graphs.batches[bucket], return_all_logits=True))
+                bs, length = bucket
+                q = torch.randn(bs, heads, 1, head_dim, device=ctx.device, dtype=dtype)
+                k = torch.randn(bs, length, kv_heads, head_dim, device=ctx.device, dtype=dtype).transpose(1, 2)
+                mask = torch.rand(bs, 1, 1, length, device=ctx.device) < 0.9
+                eligible = {}
+                for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+                    try:
+                        with sdpa_kernel([backend]):
+                            F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+                            start = time.perf_counter()
+                            for _ in range(10):
+                                F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+                            if ctx.device.type == "cuda":
+                                torch.cuda.synchronize()
+                        eligible[backend.name] = f"{(time.perf_counter() - start) * 100:.3f} ms"
+                    except RuntimeError as error:
+                        eligible[backend.name] = "refused"
+                        record["data"].setdefault("refusals", {})[backend.name] = str(error)[:400]
+                record["data"].update(selected=selected, backends=eligible)
+                record["detail"] = f"bucket {bucket}: runs {selected or ['(none seen)']}; each alone: " + ", ".join(
+                    f"{name} {how}" for name, how in eligible.items())
+
+
+# --- decode latency ----------------------------------------------------------------------------
+
+
+def step_latency(ctx: Checks) -> None:
+    sizes = (1, 2) if ctx.quick else ((1, 8, 32) if ctx.rehearsal else (1, 8, 32, 64))
+    context_len = 64 if ctx.rehearsal else 512
+    steps = 2 if ctx.quick else (3 if ctx.rehearsal else 10)
+    for label, shape in ctx.shapes()[-1:]:  # the Qwen3 shape: issue 7's figure
+        model = random_model(shape, ctx.device, torch.bfloat16)
+        with ctx.check(f"{label}, bfloat16: decode step latency, context {context_len}") as record:
+            rows = []
+            for bs in sizes:
+                row = {"batch_size": bs}
+                for path in PATHS:
+                    result = decode_step_latency(model, bs, context_len, path, steps=steps, warmup=2)
+                    row[f"{path}_ms"] = round(1000 * result["seconds"], 3)
+                    if path == "graph":
+                        row["bucket"], row["capture_s"] = result["bucket"], round(result["capture_seconds"], 2)
+                row["graph_speedup"] = round(row["batched_ms"] / row["graph_ms"], 2)
+                rows.append(row)
+                print(row, flush=True)
+            record["data"] = {"rows": rows, "device": describe(ctx.device)}
+            record["detail"] = "; ".join(
+                f"bs {r['batch_size']}: loop {r['loop_ms']:.2f} / batched {r['batched_ms']:.2f} / graph {r['graph_ms']:.2f} ms "
+                f"({r['graph_speedup']:.2f}x)" for r in rows)
+        del model
+
+
+def run(name: str, result_file: Path, rehearsal: bool, quick: bool) -> int:
+    set_torch_threads()
+    ctx = Checks(result_file, rehearsal, quick)
+    print(f"step {name} on {describe(ctx.device)}", flush=True)
+    steps = {
+        "graphs-float32": lambda: step_graphs(ctx, torch.float32),
+        "graphs-bfloat16": lambda: step_graphs(ctx, torch.bfloat16),
+        "engine-float32": lambda: step_engine(ctx, torch.float32),
+        "engine-bfloat16": lambda: step_engine(ctx, torch.bfloat16),
+        "sdpa-kernel": lambda: step_sdpa(ctx),
+        "decode-latency": lambda: step_latency(ctx),
+    }
+    steps[name]()
+    return 0 if all(c["status"] != "FAIL" for c in ctx.done) else 1
