@@ -46,9 +46,14 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
     steps = 0
     with torch.inference_mode():
         while engine.has_work:
-            outputs = engine.step()
             steps += 1
             where = f"{what}, after step {steps}"
+            try:
+                outputs = engine.step()
+            except IndexError as error:
+                raise AssertionError(
+                    f"{where}: step() raised IndexError ({error}): did a future id (negative) reach the model? "
+                    "resolve must replace each one, in the batch's own input_ids, before the forward") from error
             for out in outputs:
                 assert out.rid not in ended, f"{where}: request {out.rid} got tokens {out.new_token_ids} after its stream had ended"
                 assert all(t >= 0 for t in out.new_token_ids), (
@@ -57,7 +62,13 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
                 streams[out.rid] += out.new_token_ids
                 if out.finish_reason is not None:
                     ended.add(out.rid)
-            check_all(engine, where)
+            try:
+                check_all(engine, where)
+            except AssertionError as error:
+                raise AssertionError(
+                    f"{error}\n  (a common cause under overlap: a request that finished at step N, but was already in "
+                    "step N+1 in flight, must be released only when step N+1 is processed, dropping that step's "
+                    "extra position then)") from None
             for rid in (aborts or {}).get(steps, []):
                 assert engine.abort_request(rid), f"{where}: abort_request({rid!r}) found no such request waiting or running"
                 ended.add(rid)
