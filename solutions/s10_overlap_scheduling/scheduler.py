@@ -35,8 +35,8 @@ What makes it hard, and how each case is handled here:
 - the radix cache: a leaving request's K/V are inserted once, with its real tokens and exactly
   the positions stage 8 inserts (never the dropped extra one).
 
-``enable_overlap = False`` runs the same pieces in the plain order (schedule, launch, wait,
-process), which is what the timeline compares against.
+``enable_overlap = False`` runs the same pieces in the plain order (schedule, run, process), the
+forward on the scheduler's own thread as in stage 8: what the timeline compares against.
 """
 
 from __future__ import annotations
@@ -169,9 +169,11 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         rows = [i for i, req in enumerate(batch.reqs) if not prefill_pending(req)]
         sampled = [batch.reqs[i] for i in rows]
         future_ids = self.future_map.alloc(len(sampled))
-        result = self.worker.submit(forward_batch, rows, sampled, future_ids)
         chunked = [req for req in batch.reqs if prefill_pending(req)]
-        return LaunchedBatch(batch, sampled, chunked, future_ids, result, (start, self.clock()), retracted)
+        built = self.clock()  # the CPU's part ends here (without overlap the forward runs next, on this thread)
+        launch = self.worker.submit if self.enable_overlap else self.worker.run_now
+        result = launch(forward_batch, rows, sampled, future_ids)
+        return LaunchedBatch(batch, sampled, chunked, future_ids, result, (start, built), retracted)
 
     def settle(self, launched: LaunchedBatch) -> None:
         """The launched step's bookkeeping, done after the previous step was processed: the K/V of

@@ -37,7 +37,7 @@ import torch
 import zmq
 
 from s02_request_and_sampling.req import FinishReason
-from s08_cuda_graph.engine import Engine  # the newest stage's engine: this one line picks what is served
+from s10_overlap_scheduling.engine import Engine  # the newest stage's engine: this one line picks what is served
 
 from .io_struct import (
     AbortReq, BatchTokenIDOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, TokenizedGenerateReqInput,

@@ -27,6 +27,7 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
     ("--cuda-graph-max-bs", "cuda_graph_max_bs", int, "largest decode batch replayed from a CUDA graph (stage 8)"),
     ("--cuda-graph-max-kv-len", "cuda_graph_max_kv_len", int, "longest sequence a CUDA graph decodes; longer ones run eagerly (stage 8)"),
     ("--disable-cuda-graph", "disable_cuda_graph", "flag", "run every decode eagerly (stage 8; by default graphs run on CUDA only)"),
+    ("--disable-overlap", "disable_overlap", "flag", "schedule each step after its forward, not during it (stage 10)"),
     ("--torch-threads", "torch_threads", int, "torch's CPU threads (default: OMP_NUM_THREADS, else one per physical core)"),
     ("--device", "device", str, "cpu or cuda (default: cuda when there is one)"),
     ("--dtype", "dtype", "dtype", "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
 
 from s05_continuous_batching.engine import RequestOutput
 
@@ -64,15 +63,16 @@ def summarize(run: TimedRun) -> dict[str, float]:
 
 def compare(model, tokenizer, prompts, params, repeats: int = 1, **knobs) -> dict[str, tuple[TimedRun, dict]]:
     """The same requests on two engines over one model, overlap off and on, each run ``repeats``
-    times (the fastest run is kept); one warm-up run first. Returns {"off"|"on": (run, summary)}."""
+    times after a warm-up, the two modes taking turns (so that a busy machine slows both alike); the
+    fastest run of each is kept. Returns {"off"|"on": (run, summary)}."""
     from .engine import Engine
 
     engines = {name: Engine(model, tokenizer, disable_overlap=name == "off", **knobs) for name in ("off", "on")}
-    with torch.inference_mode():
-        engines["off"].generate(prompts[:2], params[:2] if isinstance(params, list) else params)  # warm-up
-    results = {}
-    for name, engine in engines.items():
-        runs = [timed_generate(engine, prompts, params) for _ in range(repeats)]
-        best = min(runs, key=lambda run: run.wall)
-        results[name] = (best, summarize(best))
-    return results
+    runs: dict[str, list[TimedRun]] = {name: [] for name in engines}
+    for engine in engines.values():
+        engine.generate(prompts[:2], params[:2] if isinstance(params, list) else params)  # warm-up (and the worker's start)
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            runs[name].append(timed_generate(engine, prompts, params))
+    best = {name: min(found, key=lambda run: run.wall) for name, found in runs.items()}
+    return {name: (run, summarize(run)) for name, run in best.items()}

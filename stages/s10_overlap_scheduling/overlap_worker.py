@@ -55,10 +55,20 @@ class OverlapWorker:
             ready.record()  # the batch's inputs and table writes, queued on the scheduler's stream
         return self.executor.submit(self.run, batch, sample_rows, sample_reqs, future_ids, ready)
 
+    def run_now(self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]) -> Future:
+        """The same step run here, on the caller's thread, before returning (overlap off: no
+        hand-over to the worker, so the plain loop pays nothing for the thread)."""
+        done: Future = Future()
+        try:
+            done.set_result(self.run(batch, sample_rows, sample_reqs, future_ids, None))
+        except Exception as error:  # raised where the overlapped loop would see it: at processing
+            done.set_exception(error)
+        return done
+
     def run(self, batch, sample_rows, sample_reqs, future_ids, ready) -> ForwardResult:
         start = time.perf_counter()
         with torch.inference_mode():  # a per-thread mode: the scheduler's does not reach here
-            if self.stream is None:
+            if self.stream is None or ready is None:
                 tokens = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
                 return ForwardResult(tokens.tolist(), start, time.perf_counter())
             with torch.cuda.stream(self.stream):
