@@ -201,7 +201,7 @@ class SchedulerProcess:
         """Counts and the invariant checks, between two steps (for /debug/state)."""
         scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
         tree = getattr(self.engine, "tree_cache", None)
-        in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()]]
+        in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()] if not req.finished]
         return {
             "running": len(scheduler.running), "waiting": len(scheduler.waiting), "tracked_requests": len(self.reqs),
             # requests the engine still runs that this process forgot (an abort that did not end them there)
