@@ -41,7 +41,6 @@ forward on the scheduler's own thread as in stage 8: what the timeline compares 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -121,8 +120,8 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.settle(launched)
             self.last = launched
             return self.process_last()
+        outputs: list[TokenOutput] = []
         # BEGIN EXERCISE: the overlapped order. If a step is in flight and must_wait_for_last(): process it first (self.process_last()). Then schedule and launch the next step (self.schedule_and_launch(); None if nothing can run), process the step that was in flight before it (if any), settle the new one, and keep it as self.last. Return every TokenOutput processed
-        outputs = []
         if self.last is not None and self.must_wait_for_last():
             outputs += self.process_last()
         launched = self.schedule_and_launch()
@@ -216,10 +215,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.cache_unfinished_req(req)
             self.running.remove(req)
             self.chunked_req = req
-        outputs = []
+        outputs, got_token = [], []
+        # BEGIN EXERCISE: for each sampled request with its future id and token: if it already ended (finished at the step before, or aborted), drop its future id if it is still its last output id (self.drop_future), release_ended it, and go on. Else its last output id is its future id: replace it by the token, check_finished, record a TokenOutput; if it finished: take it out of self.running, and release it (insert=True) unless it is in the step in flight, next_batch (then add it to self.ending). Then check_not_stuck the requests that got a token
         in_flight = set(map(id, next_batch.batch.reqs)) if next_batch is not None else set()
-        # BEGIN EXERCISE: for each sampled request with its future id and token: if it already ended (finished at the step before, or aborted), drop its future id if it is still its last output id (self.drop_future), release_ended it, and go on. Else its last output id is its future id: replace it by the token, check_finished, record a TokenOutput; if it finished: take it out of self.running, and release it (insert=True) unless it is in the step in flight (then add it to self.ending). Then check_not_stuck the requests that got a token
-        got_token = []
         for req, future_id, token_id in zip(launched.sampled, launched.future_ids, token_ids):
             if req.finished:
                 self.drop_future(req, future_id)

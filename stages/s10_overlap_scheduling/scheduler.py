@@ -41,7 +41,6 @@ forward on the scheduler's own thread as in stage 8: what the timeline compares 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -121,6 +120,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.settle(launched)
             self.last = launched
             return self.process_last()
+        outputs: list[TokenOutput] = []
         raise NotImplementedError("Stage 10: the overlapped order. If a step is in flight and must_wait_for_last(): process it first (self.process_last()). Then schedule and launch the next step (self.schedule_and_launch(); None if nothing can run), process the step that was in flight before it (if any), settle the new one, and keep it as self.last. Return every TokenOutput processed - see stages/s10_overlap_scheduling/README.md")
         return outputs
 
@@ -206,9 +206,8 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.cache_unfinished_req(req)
             self.running.remove(req)
             self.chunked_req = req
-        outputs = []
-        in_flight = set(map(id, next_batch.batch.reqs)) if next_batch is not None else set()
-        raise NotImplementedError("Stage 10: for each sampled request with its future id and token: if it already ended (finished at the step before, or aborted), drop its future id if it is still its last output id (self.drop_future), release_ended it, and go on. Else its last output id is its future id: replace it by the token, check_finished, record a TokenOutput; if it finished: take it out of self.running, and release it (insert=True) unless it is in the step in flight (then add it to self.ending). Then check_not_stuck the requests that got a token - see stages/s10_overlap_scheduling/README.md")
+        outputs, got_token = [], []
+        raise NotImplementedError("Stage 10: for each sampled request with its future id and token: if it already ended (finished at the step before, or aborted), drop its future id if it is still its last output id (self.drop_future), release_ended it, and go on. Else its last output id is its future id: replace it by the token, check_finished, record a TokenOutput; if it finished: take it out of self.running, and release it (insert=True) unless it is in the step in flight, next_batch (then add it to self.ending). Then check_not_stuck the requests that got a token - see stages/s10_overlap_scheduling/README.md")
         now = self.clock()
         for req in got_token:
             if req.time_stats.first_token is None:
