@@ -42,7 +42,7 @@ forward on the scheduler's own thread as in stage 8: what the timeline compares 
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -84,6 +84,7 @@ class LaunchedBatch:
     future_ids: list[int]  # the future id of each sampled request's token
     result: Future  # of the worker's ForwardResult
     schedule: tuple[float, float]  # when the CPU built and launched it
+    prefill_tokens: int  # prompt tokens it computes (counted at launch: settle moves the lengths on)
     retracted: list[Req] = field(default_factory=list)
 
 
@@ -172,7 +173,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         built = self.clock()  # the CPU's part ends here (without overlap the forward runs next, on this thread)
         launch = self.worker.submit if self.enable_overlap else self.worker.run_now
         result = launch(forward_batch, rows, sampled, future_ids)
-        return LaunchedBatch(batch, sampled, chunked, future_ids, result, (start, built), retracted)
+        return LaunchedBatch(batch, sampled, chunked, future_ids, result, (start, built), batch.prefill_tokens, retracted)
 
     def settle(self, launched: LaunchedBatch) -> None:
         """The launched step's bookkeeping, done after the previous step was processed: the K/V of
@@ -197,7 +198,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         end = self.clock()
         self.timeline.append(StepTiming(
             self.stats.steps + 1, launched.schedule, (result.start, result.end), (start, end),
-            len(launched.batch.reqs), launched.batch.prefill_tokens,
+            len(launched.batch.reqs), launched.prefill_tokens,
         ))
         self.record_step(launched, outputs, end)
         return outputs
@@ -275,12 +276,12 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         batch, stats = launched.batch, self.stats
         stats.steps += 1
         stats.peak_running = max(stats.peak_running, len(batch.reqs))
-        stats.prefill_tokens += batch.prefill_tokens
+        stats.prefill_tokens += launched.prefill_tokens
         stats.decode_tokens += len(batch.decode_reqs)
         if self.on_step is not None:
             self.on_step(StepTrace(
                 step=stats.steps, start=launched.schedule[0], end=now,
-                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=batch.prefill_tokens,
+                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=launched.prefill_tokens,
                 decode_rids=[req.rid for req in batch.decode_reqs],
                 running=len(self.running), waiting=len(self.waiting),
                 free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
@@ -304,16 +305,21 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         return True
 
     def abort_failed_step(self) -> list[Req]:
-        """A step raised: let the worker finish whatever it still had, forget the step in flight,
-        take every future id back out of the requests, end the requests that were ending, then
-        stage 5's clean-up of everyone holding memory."""
-        launched, self.last = self.last, None
+        """A step raised (in its forward, its sampling or its processing): let the worker finish
+        whatever it still had, forget the step in flight, take the future ids back out of every
+        request that holds memory (their tokens will never come) and trust none of the K/V it
+        computed itself, end the requests that were ending, then stage 5's clean-up of everyone
+        holding memory (which frees every page nobody holds)."""
+        self.last = None
         if self.worker is not None:
-            self.worker.wait_idle()
-        if launched is not None:
-            wait([launched.result])
-            for req, future_id in zip(launched.sampled, launched.future_ids):
-                self.drop_future(req, future_id)
+            self.worker.wait_idle()  # no forward may still read a table row that is freed below
+        for req in self.reqs_holding_memory():
+            while req.output_ids and req.output_ids[-1] < 0:
+                req.output_ids.pop()
+                req.device_len -= 1
+            # settle moved cached_len on before the forward ran: the failed step's positions hold
+            # no K/V, so nothing the request computed itself goes to the tree; stage 5's sweep frees it
+            req.cached_len = req.prefix_match.cached_len if req.prefix_match is not None else 0
         ending, self.ending = self.ending, []
         for req in ending:
             self.release_req(req, insert=False)

@@ -104,3 +104,39 @@ def test_aborts_in_flight_half_prefilled_and_waiting(tiny_models_root, disable_o
     if not disable_overlap:
         assert seen[0][1], f"{what}: request 0 was meant to be aborted while in the step in flight (test set-up)"
     assert_pool_free_after_tree(engine, what)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_failed_forward_under_overlap_leaves_nothing_untrusted(tiny_models_root, page_size):
+    """A forward raises while the next step is already built: step() raises, abort_failed_step ends
+    every request and frees everything, no future id stays in a request, and the radix tree holds
+    no K/V of the failed step (the same requests, continued, get transformers' tokens afterwards)."""
+    path = tiny_models_root / "llama3"
+    what = f"llama3, a failed forward, page_size={page_size}"
+    engine = engine_on(path, pool_size=512, page_size=page_size)
+    prompts = [random_prompt(n, seed=70 + n) for n in (9, 14, 5)]
+    runner, real_forward, passes = engine.runner, engine.runner.forward, []
+
+    def failing_forward(batch):
+        passes.append(batch.num_reqs)
+        if len(passes) == 4:
+            raise RuntimeError("injected: the device failed")
+        return real_forward(batch)
+
+    runner.forward = failing_forward
+    reqs = [engine.add_request(p, greedy(12)) for p in prompts]
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(10):
+            engine.step()
+    aborted = engine.abort_failed_step()
+    assert {req.rid for req in aborted} == {req.rid for req in reqs}, f"{what}: every request of the failed steps must end"
+    assert all(t >= 0 for req in reqs for t in req.output_ids), f"{what}: a future id stayed: {[r.output_ids for r in reqs]}"
+    assert not engine.has_work
+    engine.scheduler.check_invariants()
+    assert_pool_free_after_tree(engine, what)
+    runner.forward = real_forward
+    # each request's tokens so far and one more: the tree's match covers the failed step's position
+    prompts = [prompt + req.output_ids + [33] for prompt, req in zip(prompts, reqs)]
+    again, _ = run_checked(engine, prompts, [greedy(6)] * 3, f"{what}, the same prompts again")
+    for i, (req, prompt) in enumerate(zip(again, prompts)):
+        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 6), f"{what}: request {i} after the failure vs transformers")
