@@ -203,7 +203,9 @@ class SchedulerProcess:
         tree = getattr(self.engine, "tree_cache", None)
         in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()] if not req.finished]
         return {
-            "running": len(scheduler.running), "waiting": len(scheduler.waiting), "tracked_requests": len(self.reqs),
+            # running: every request that holds memory (the half-prefilled one, one that waits for a step in flight)
+            "running": len(scheduler.reqs_holding_memory()), "waiting": len(scheduler.waiting),
+            "tracked_requests": len(self.reqs),
             # requests the engine still runs that this process forgot (an abort that did not end them there)
             "untracked_requests": [rid for rid in in_engine if rid not in self.reqs],
             "pool_size": allocator.size, "free_slots": allocator.available_size(),
