@@ -4,9 +4,9 @@
     decode:   [t0] at position n      -> 1 more position stored, logits for token n+1
     decode:   [t1] at position n+1    -> ...
 
-Each decode step computes one token's projections and MLP and attends one query over the
-cache, so step t costs O(n + t) instead of stage 1's O((n + t)^2): producing N tokens goes
-from O(N^3) to O(N^2).
+Each decode step computes one token's projections and MLP (a fixed cost: every weight read
+once) and attends one query over the n + t cached positions, where stage 1's step redid all of
+them: over N tokens the matmuls go from O(N^2) to O(N), attention from O(N^3) to O(N^2).
 
 The last generated token is returned but never fed back (nothing would read its K/V), so after
 every step the cache holds exactly len(prompt) + len(generated) - 1 positions.
