@@ -52,8 +52,10 @@ def tiny_server(tiny_server_session):
     return alive(tiny_server_session)
 
 
+# The other servers start after the tiny one: where it cannot start (an unwritten stage), they
+# fail at once with its error instead of spending half a minute each to fail the same way.
 @pytest.fixture(scope="session")
-def default_server_session(default_model_dir, tmp_path_factory):
+def default_server_session(tiny_server_session, default_model_dir, tmp_path_factory):
     yield from running(default_model_dir, DEFAULT_ARGS, tmp_path_factory.mktemp("s09-default-server"))
 
 
@@ -63,7 +65,7 @@ def default_server(default_server_session):
 
 
 @pytest.fixture(scope="session")
-def guarded_server_session(tiny_models_root, tmp_path_factory):
+def guarded_server_session(tiny_server_session, tiny_models_root, tmp_path_factory):
     yield from running(tiny_models_root / TINY_FAMILY, GUARD_ARGS, tmp_path_factory.mktemp("s09-guarded-server"), api_key=GUARD_KEY)
 
 

@@ -47,7 +47,9 @@ def test_clients_that_disconnect_are_aborted_and_their_kv_freed(default_server):
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "kill -9 of the launcher"])
-def test_stopping_the_server_ends_streams_and_leaves_no_process(tiny_models_root, tmp_path, how):
+def test_stopping_the_server_ends_streams_and_leaves_no_process(tiny_server, tiny_models_root, tmp_path, how):
+    # tiny_server first: a server that cannot even start (an unwritten stage) fails here at once,
+    # instead of being started three more times to fail the same way.
     # Started as `make serve` starts it: no debug endpoints (they are off by default).
     server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path, new_session=True, debug=False)
     pids, events = {}, []
