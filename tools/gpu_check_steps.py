@@ -37,7 +37,7 @@ from s08_cuda_graph.decode_latency import (  # noqa: E402
     PATHS, QWEN3_0_6B, SMALL_QWEN3, SMALL_SMOLLM2, SMOLLM2_135M, decode_step_latency, random_model,
 )
 from s08_cuda_graph.engine import Engine  # noqa: E402
-from s08_cuda_graph.model_runner import ModelRunner  # noqa: E402
+from s08_cuda_graph.model_runner import GraphModelRunner  # noqa: E402
 
 READ_SLOTS = 16384  # K/V slots filled with random values that decodes read and never write
 
@@ -116,13 +116,13 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return (1e-3, 1e-3) if dtype == torch.float32 else (0.06, 0.03)
 
 
-def graph_runner(ctx: Checks, model, max_bs: int | None = None, max_kv: int | None = None) -> ModelRunner:
+def graph_runner(ctx: Checks, model, max_bs: int | None = None, max_kv: int | None = None) -> GraphModelRunner:
     """A stage-8 runner with graphs for every bucket up to (max_bs, max_kv) (default: the mode's
     limits), and a pool with room for the read-only region plus every bucket's new tokens."""
     default_bs, default_kv = ctx.graph_limits()
     max_bs, max_kv = max_bs or default_bs, max_kv or default_kv
     writes = sum(capture_bs_buckets(max_bs)) * len(kv_len_buckets(max_kv)) + max_bs  # every bucket once, and the padded check
-    return ModelRunner(model, pool_size=READ_SLOTS + writes, max_running_requests=max_bs, max_context_len=max_kv,
+    return GraphModelRunner(model, pool_size=READ_SLOTS + writes, max_running_requests=max_bs, max_context_len=max_kv,
                        attention_backend="torch", cuda_graph_max_bs=max_bs, cuda_graph_max_kv_len=max_kv)
 
 

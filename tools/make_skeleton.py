@@ -2,13 +2,22 @@
 
 Every file is copied as it is, except that in .py files each marked region
 
-    <indent># BEGIN EXERCISE: <what to write>
+    <indent># BEGIN EXERCISE: <the task in one line> [#readme-anchor]
     ...solution lines...
     <indent># END EXERCISE
 
 becomes one line at the marker's indentation:
 
-    <indent>raise NotImplementedError("Stage N: <what to write> - see stages/sNN_name/README.md")
+    <indent>raise NotImplementedError("Stage N: <the task> - see stages/sNN_name/README.md#readme-anchor")
+
+Hints come in levels and each is written once: the marker names the task in one line (at most
+MAX_TASK_CHARS characters), the README section it points at has the idea and a first hint, and
+the full recipe sits in that section's folded "If you are stuck" block.
+
+The skeleton must lint clean. Code after a region in the same block would be dead after the
+raise, so a region that ends a function or a loop body ends it (its return inside the region);
+an import or a local variable that only the removed region used gets a ``# noqa`` marker
+(F401 / F841) saying the linter may let it be: the learner's code will use it.
 
 So nobody edits stages/ by hand: change solutions/ and regenerate.
 
@@ -19,6 +28,7 @@ So nobody edits stages/ by hand: change solutions/ and regenerate.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import shutil
 import sys
@@ -28,9 +38,10 @@ REPO = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".mypy_cache"}
 SKIP_SUFFIXES = {".pyc", ".pyo"}
 STAGE_DIR = re.compile(r"s(\d\d)_\w+")
-BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE: *(\S.*?)\s*$")
+BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE: *(\S.*?)(?:\s+\[#([\w-]+)\])?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE\s*$")
 ANY_MARKER = re.compile(r"^\s*#\s*(BEGIN|END)\s+EXERCISE")
+MAX_TASK_CHARS = 100  # the one line a marker (and so the raise) names the task in
 
 
 class MarkerError(ValueError):
@@ -56,19 +67,25 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
                 raise MarkerError(f"{where}:{number}: BEGIN EXERCISE inside the region opened at line {region[0]} (regions cannot nest)")
             if stage is None or stage == 0:
                 raise MarkerError(f"{where}:{number}: exercise markers belong in a stage package s01_..s09_, not here")
-            region = (number, begin.group(1), begin.group(2))  # line, indent, what to write
+            if len(begin.group(2)) > MAX_TASK_CHARS:
+                raise MarkerError(
+                    f"{where}:{number}: the task is {len(begin.group(2))} characters; name it in one line of at most "
+                    f"{MAX_TASK_CHARS} and put the recipe in the README's 'If you are stuck' block"
+                )
+            region = (number, begin.group(1), begin.group(2), begin.group(3))  # line, indent, task, anchor
         else:
             if region is None:
                 raise MarkerError(f"{where}:{number}: END EXERCISE without a BEGIN EXERCISE before it")
-            opened, indent, what = region
+            opened, indent, what, anchor = region
             if end.group(1) != indent:
                 raise MarkerError(f"{where}:{number}: END EXERCISE is not indented like its BEGIN at line {opened}")
-            message = f"Stage {stage}: {what} - see stages/{package}/README.md"
+            message = f"Stage {stage}: {what} - see stages/{package}/README.md" + (f"#{anchor}" if anchor else "")
             literal = '"' + message.replace("\\", "\\\\").replace('"', '\\"') + '"'
             newline = line[len(line.rstrip("\r\n")):]
             out.append(f"{indent}raise NotImplementedError({literal}){newline}")
             origin.append(opened)
             region = None
+            dead_code_check(text.splitlines(), number, len(indent), where, opened)
     if region is not None:
         raise MarkerError(f"{where}:{region[0]}: BEGIN EXERCISE has no matching END EXERCISE")
     result = "".join(out)
@@ -77,7 +94,81 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
     except SyntaxError as err:
         line = origin[min(err.lineno or 1, len(origin)) - 1] if origin else 1
         raise MarkerError(f"{where}:{line}: the generated skeleton is not valid Python ({err.msg}); check the markers' placement") from None
-    return result
+    return mark_unused(result)
+
+
+def dead_code_check(lines: list[str], end_number: int, indent: int, where: str, opened: int) -> None:
+    """Refuse code after a region in the same block: after the skeleton's raise it never runs."""
+    for following in lines[end_number:]:
+        stripped = following.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if len(following) - len(following.lstrip()) == indent:
+            raise MarkerError(
+                f"{where}:{opened}: code follows this region in the same block ({stripped[:60]!r}); after the skeleton's "
+                "raise it would be dead code. End the region at the end of its block (take the code in)"
+            )
+        return
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+
+
+def mark_unused(source: str) -> str:
+    """Append ``# noqa: F401`` to imports and ``# noqa: F841`` to local assignments that only a
+    removed region used, so the skeleton lints clean and the learner keeps them."""
+    if "raise NotImplementedError(\"Stage " not in source:
+        return source
+    tree = ast.parse(source)
+    loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)}
+    for node in ast.walk(tree):  # names in quoted annotations count as used, as they do for pyflakes
+        for annotation in _annotations(node):
+            for sub in ast.walk(annotation):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    loaded.update(re.findall(r"[A-Za-z_]\w*", sub.value))
+    marks: dict[int, str] = {}
+    statements = list(tree.body)
+    for statement in tree.body:  # imports under `if TYPE_CHECKING:` count too
+        if isinstance(statement, ast.If) and _is_type_checking(statement.test):
+            statements.extend(statement.body)
+    for statement in statements:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)) and getattr(statement, "module", "") != "__future__":
+            names = [(alias.asname or alias.name).split(".")[0] for alias in statement.names]
+            if any(name not in loaded for name in names):
+                marks[statement.lineno] = "F401"
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        used = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store)}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets = [node.target]
+            else:
+                continue
+            names = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            if all(isinstance(t, ast.Name) for t in names) and any(t.id not in used for t in names):
+                marks[node.lineno] = "F841"
+    if not marks:
+        return source
+    lines = source.splitlines(keepends=True)
+    for number, code in marks.items():
+        line = lines[number - 1]
+        body = line.rstrip("\r\n")
+        lines[number - 1] = f"{body}  # noqa: {code}{line[len(body):]}"
+    return "".join(lines)
+
+
+def _annotations(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, ast.arg) and node.annotation is not None:
+        return [node.annotation]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+        return [node.returns]
+    if isinstance(node, ast.AnnAssign):
+        return [node.annotation]
+    return []
 
 
 def source_files(root: Path) -> list[Path]:

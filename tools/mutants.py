@@ -192,7 +192,7 @@ MUTANTS: list[Mutant] = [
            r"leak|release"),
     Mutant("s04-release-keeps-the-row", "s04_paged_kv_pool/engine.py",
            "a finished request gives back its table row, not only its slots",
-           edit("        self.runner.req_to_token_pool.free(row)\n        # END EXERCISE", "        # END EXERCISE"),
+           edit("        self.runner.req_to_token_pool.free(row)\n        req.req_pool_idx = None", "        req.req_pool_idx = None"),
            r"table row"),
     Mutant("s04-table-not-written", "s04_paged_kv_pool/engine.py",
            "the request's new slots go into its req_to_token row BEFORE the pass: attention reads K/V through the table",
@@ -248,7 +248,7 @@ MUTANTS: list[Mutant] = [
     Mutant("s05-finished-not-released", "s05_continuous_batching/scheduler.py",
            "a finished request is retired at once: its slots and row are freed in the step it finishes",
            edit("""        for req in finished:
-            self.release_req(req, insert=True)
+            self.release_req(req, "finished")
         self.running""", """        self.running"""),
            r"finished"),
 

@@ -82,7 +82,7 @@ class TokenToKVPoolAllocator:
                 f"KV pool: {needed} pages ({needed * p} slots) needed, {len(self.free_pages)} pages "
                 f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool bigger"
             )
-        # BEGIN EXERCISE: take the fresh pages all requests need (self._take_pages), then give each request the slots of positions [prefix, seq): position j goes to offset j % page_size of the request's (j // page_size)-th page, which is last_loc's page while that one has room
+        # BEGIN EXERCISE: give every request the slots of its new positions, filling its last page first [#what-you-write]
         fresh = self._take_pages(needed)
         out_cache_loc = []
         for prefix, seq, last in zip(prefix_lens, seq_lens, last_locs):
@@ -113,7 +113,7 @@ class TokenToKVPoolAllocator:
                 f"(page 0, slots 0..{p - 1}, is the reserved dummy)"
             )
         pages = torch.unique(slots // p).tolist()
-        # BEGIN EXERCISE: if any of these pages is not allocated, raise ValueError naming them (double free, or never handed out) before changing anything; otherwise mark them free and put them back on the free list
+        # BEGIN EXERCISE: free pages: refuse a double free before changing anything [#what-you-write]
         not_allocated = [page for page in pages if not self.page_allocated[page]]
         if not_allocated:
             raise ValueError(

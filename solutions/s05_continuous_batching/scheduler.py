@@ -32,13 +32,13 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal, Sequence
 
 import torch
 
 from s02_request_and_sampling.engine import check_not_stuck
-from s02_request_and_sampling.req import FinishReason, Req
+from s02_request_and_sampling.req import FinishReason, Req, TimeStats
 from s02_request_and_sampling.sampler import sample
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -48,15 +48,8 @@ from .schedule_batch import ScheduleBatch, slots_to_extend
 from .trace import StepTrace
 
 
-@dataclass
-class TimeStats:
-    """When things happened to one request (scheduler clock, seconds)."""
-
-    arrival: float  # add_request
-    scheduled: list[float] = field(default_factory=list)  # each admission (again after a retraction)
-    retracted: list[float] = field(default_factory=list)
-    first_token: float | None = None
-    finished: float | None = None  # finished or aborted
+# Why a request leaves the running batch; the prefix cache hears it (see Scheduler.keep_kv_of).
+LeaveReason = Literal["finished", "retracted", "aborted"]
 
 
 @dataclass
@@ -78,6 +71,12 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # The policy for a leaver's K/V: the reasons for which the prefix cache may keep it for later
+    # requests (cache_finished_req's insert); every other leaver's slots go straight back. Here
+    # only a finished request's prompt and answer are offered (NoPrefixCache keeps nothing anyway);
+    # stage 6 keeps every leaver's (RadixScheduler).
+    keep_kv_of: frozenset[LeaveReason] = frozenset({"finished"})
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -150,8 +149,6 @@ class Scheduler:
         if any(other.rid == req.rid for other in (*self.waiting, *self.reqs_holding_memory())):
             raise ValueError(f"request id {req.rid!r} is already waiting or running; request ids must be unique")
         self.check_servable(req)
-        req.req_pool_idx = None  # its row in the request -> slots table, while it runs
-        req.prefix_match = None  # what the prefix cache gave it, while it runs
         req.time_stats = TimeStats(arrival=self.clock())
         self.waiting.append(req)
 
@@ -166,7 +163,7 @@ class Scheduler:
             for req in self.running:
                 if req.rid == rid:
                     self.running.remove(req)
-                    self.release_req(req, insert=False)
+                    self.release_req(req, "aborted")
                     break
             else:
                 return False
@@ -231,13 +228,15 @@ class Scheduler:
         req.req_pool_idx, req.prefix_match, req.cached_len = row, match, match.cached_len
         req.time_stats.scheduled.append(self.clock())
 
-    def release_req(self, req: Req, insert: bool) -> None:
-        """A request leaves the running batch (finished, retracted or aborted): its K/V go to the
-        prefix cache (which frees every slot it does not keep) and its table row is freed.
-        Afterwards it holds nothing: req_pool_idx and prefix_match are None, cached_len is 0."""
-        # BEGIN EXERCISE: hand the slots of the request's stored positions (table row up to cached_len) with their tokens to self.prefix_cache.cache_finished_req (insert as given), free its table row, then reset req_pool_idx, prefix_match and cached_len
+    def release_req(self, req: Req, why: LeaveReason) -> None:
+        """A request leaves the running batch (``why``: finished, retracted or aborted): its K/V go
+        to the prefix cache, which may keep them when ``why`` is in ``keep_kv_of`` and frees every
+        slot it does not keep; its table row is freed. Afterwards it holds nothing:
+        req_pool_idx and prefix_match are None, cached_len is 0."""
+        # BEGIN EXERCISE: a leaving request gives its K/V to the prefix cache and its row back [#what-you-write]
         row = req.req_pool_idx
         slots = self.runner.req_to_token_pool.req_to_token[row, : req.cached_len].clone()
+        insert = why in self.keep_kv_of
         self.prefix_cache.cache_finished_req(req.fill_ids[: req.cached_len], slots, req.prefix_match, insert)
         self.runner.req_to_token_pool.free(row)
         req.req_pool_idx, req.prefix_match, req.cached_len = None, None, 0
@@ -250,28 +249,16 @@ class Scheduler:
         most recently admitted ones (to the front of the waiting queue) until it can.
         Returns the retracted requests, newest first."""
         retracted: list[Req] = []
-        # BEGIN EXERCISE: while more than one request runs and their next pass needs more slots (self.next_pass_slots) than self.available_slots(): take the most recently admitted running request out, release it (insert=False: it gets no prefix-cache entry) and put it back at the FRONT of self.waiting
+        # BEGIN EXERCISE: retract the newest running requests to the front of the queue until the pass fits [#retraction-when-the-pool-runs-dry]
         while len(self.running) > 1 and self.next_pass_slots(self.running) > self.available_slots():
             req = self.running.pop()
-            self.release_req(req, insert=False)
+            self.release_req(req, "retracted")
             # Retracted several times in one step, the older one must end up first in line:
             # it is popped later, so it is pushed to the front later.
             self.waiting.appendleft(req)
             retracted.append(req)
-        # END EXERCISE
-        if self.running and self.next_pass_slots(self.running) > self.available_slots():
-            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
-                   else "retract_for_decode must retract until the others fit")
-            raise RuntimeError(
-                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
-                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
-                f"{self.runner.allocator.size} are free: {why}"
-            )
-        now = self.clock()
-        for req in retracted:
-            req.time_stats.retracted.append(now)
-        self.stats.num_retractions += len(retracted)
         return retracted
+        # END EXERCISE
 
     def order_waiting(self) -> None:
         """The admission order: first come, first served, so the queue stays as it is. Stage 6
@@ -297,7 +284,7 @@ class Scheduler:
         admitted: list[Req] = list(scheduled)
         reserved = self.reserved_slots([*self.running, *scheduled])
         budget = self.max_prefill_tokens if budget is None else budget
-        # BEGIN EXERCISE: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), take its pass length from self.prefill_len, stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, set its device_len to the end of its pass, start_req it, and charge the budgets
+        # BEGIN EXERCISE: admit waiting requests in order under the three budgets [#admission-three-budgets-and-the-room-in-the-pool]
         while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             req = self.waiting[0]
             # At least the last token is computed: its logits give the next token.
@@ -322,8 +309,8 @@ class Scheduler:
             admitted.append(req)
             budget -= extend_len
             reserved += need
-        # END EXERCISE
         return admitted[len(scheduled) :]
+        # END EXERCISE
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """After the forward pass: every request of the batch now has its new tokens' K/V
@@ -331,7 +318,7 @@ class Scheduler:
         done. Finished requests are retired at once. Returns the requests that got a token:
         all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
         reqs = batch.reqs
-        # BEGIN EXERCISE: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True), keep only unfinished ones in self.running, return reqs
+        # BEGIN EXERCISE: sample one token per request, retire the finished ones [#what-you-write]
         for req in reqs:
             req.cached_len = req.device_len
         for req, token_id in zip(reqs, sample(logits, reqs).tolist()):
@@ -339,10 +326,21 @@ class Scheduler:
             req.check_finished()
         finished = [req for req in reqs if req.finished]
         for req in finished:
-            self.release_req(req, insert=True)
+            self.release_req(req, "finished")
         self.running = [req for req in self.running if not req.finished]
         return reqs
         # END EXERCISE
+
+    def check_room_after_retraction(self) -> None:
+        """After retract_for_decode: the running requests' next pass must fit, or nothing can run."""
+        if self.running and self.next_pass_slots(self.running) > self.available_slots():
+            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
+                   else "retract_for_decode must retract until the others fit")
+            raise RuntimeError(
+                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
+                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
+                f"{self.runner.allocator.size} are free: {why}"
+            )
 
     def step(self) -> list[TokenOutput]:
         """One scheduling step and one forward pass. Returns what each request of the pass got."""
@@ -351,6 +349,11 @@ class Scheduler:
         start = self.clock()
         short = self.next_pass_slots(self.running) > self.available_slots()
         retracted = self.retract_for_decode() if short else []
+        if short:
+            self.check_room_after_retraction()
+        for req in retracted:
+            req.time_stats.retracted.append(start)
+        self.stats.num_retractions += len(retracted)
         admitted = self.admit_new_requests()
         if not self.running and not admitted:
             head = self.waiting[0]

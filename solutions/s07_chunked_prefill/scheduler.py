@@ -27,7 +27,7 @@ cutting a prompt uses up the step's budget):
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
@@ -67,7 +67,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
         """The rest of ``req``'s fill_ids, cut to what is left of the step's budget."""
         rest = len(req.fill_ids) - cached_len
-        # BEGIN EXERCISE: without chunking, or with no budget left (the request then waits, as in stage 5), return the whole rest; else at most the budget
+        # BEGIN EXERCISE: a request's pass length under the step's prefill budget [#what-you-write]
         if self.chunked_prefill_size is None or budget < 1:
             return rest
         return min(rest, budget)
@@ -82,12 +82,13 @@ class ChunkedPrefillScheduler(RadixScheduler):
         room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
         return max(0, min(rest, room_tokens))
 
-    def admit_new_requests(self, budget: int | None = None) -> list[Req]:
+    def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """The half-prefilled request's next chunk first, then stage 5's admission of waiting
-        requests in what is left of the budget (where the last one admitted may be cut)."""
+        requests in what is left of the budget (where the last one admitted may be cut).
+        ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []
-        # BEGIN EXERCISE: if a request is half prefilled (self.chunked_req): size its next chunk (next_chunk_len); with no room it waits and nothing else is admitted (no one overtakes it): return []. Else take it out of chunked_req, set its device_len to the chunk's end, charge the budget; if its prefill is still pending after this chunk the budget is spent: return it alone
+        # BEGIN EXERCISE: the half-prefilled request's next chunk first, then stage 5's admission [#the-half-prefilled-request-chunked_req]
         req = self.chunked_req
         if req is not None:
             chunk = self.next_chunk_len(req, budget)
@@ -99,8 +100,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
             continuing.append(req)
             if prefill_pending(req):
                 return continuing
+        return continuing + super().admit_new_requests(scheduled=[*scheduled, *continuing], budget=budget)
         # END EXERCISE
-        return continuing + super().admit_new_requests(scheduled=continuing, budget=budget)
 
     # --- after the pass ----------------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """A request whose prefill is still pending stores its chunk and waits for its next one
         (never sampled); everyone else goes through stage 5's processing, with its own logits row."""
-        # BEGIN EXERCISE: for each request of batch.reqs whose prefill is pending: mark the chunk cached, cache_unfinished_req it, take it out of self.running and keep it as self.chunked_req; then call stage 5's process_batch_result on a ScheduleBatch of the other requests (same decode/prefill split) with their logits rows only
+        # BEGIN EXERCISE: park the requests whose prefill is pending; sample the others [#the-half-prefilled-request-chunked_req]
         pending = [i for i, req in enumerate(batch.reqs) if prefill_pending(req)]
         for i in pending:
             req = batch.reqs[i]
@@ -141,10 +142,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
         req = self.chunked_req
         if req is not None:
             self.chunked_req = None
-            self.release_req(req, insert=True)  # with the radix cache its finished chunks stay in the tree
+            self.release_req(req, "retracted")  # with the radix cache its finished chunks stay in the tree
             self.waiting.appendleft(req)
-            req.time_stats.retracted.append(self.clock())
-            self.stats.num_retractions += 1
             retracted.append(req)
         return retracted + super().retract_for_decode()
 
@@ -153,7 +152,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         if req is None or req.rid != rid:
             return super().abort_request(rid)
         self.chunked_req = None
-        self.release_req(req, insert=False)
+        self.release_req(req, "aborted")
         req.abort()
         req.time_stats.finished = self.clock()
         return True

@@ -76,7 +76,7 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         rows ``req_pool_indices``, whose lengths are already in ``meta.seq_lens``. Device work
         only (no .tolist(), no loop): it runs before every replay of a graph."""
         kv_len = meta.kv_indices.shape[1]
-        # BEGIN EXERCISE: copy_ the first kv_len slots of each request's table row (req_to_token[req_pool_indices]) into meta.kv_indices, and "key position < seq_len" (self.key_positions, meta.seq_lens) into meta.key_mask
+        # BEGIN EXERCISE: fill the static decode metadata in place (kv_indices and the key mask) [#what-you-write]
         table = self.req_to_token_pool.req_to_token
         meta.kv_indices.copy_(table[req_pool_indices, :kv_len])
         meta.key_mask.copy_(self.key_positions[None, :kv_len] < meta.seq_lens[:, None])
@@ -171,7 +171,7 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         [n, kv_len] -> [n, H, D], in one SDPA call."""
         pool = self.token_to_kv_pool
         n, kv_len = kv_indices.shape
-        # BEGIN EXERCISE: gather this layer's K and V rows at kv_indices (index_select on the flattened indices, viewed as [n, kv_len, KVH, D]); then one SDPA call: queries [n, H, 1, D], keys/values [n, KVH, kv_len, D], attn_mask from key_mask, enable_gqa=True
+        # BEGIN EXERCISE: decode attention for every row in one batched call [#what-you-write]
         flat = kv_indices.reshape(-1)
         k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
         keys = k_buffer.index_select(0, flat).view(n, kv_len, *k_buffer.shape[1:]).transpose(1, 2)

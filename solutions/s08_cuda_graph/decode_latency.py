@@ -33,9 +33,9 @@ from s00_foundation.model import CausalLM
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
-from s04_paged_kv_pool.model_runner import ModelRunner as LoopModelRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
 
-from .model_runner import ModelRunner
+from .model_runner import GraphModelRunner
 
 SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json, the fields the engine reads
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -91,10 +91,10 @@ def decode_step_latency(
     longest = context_len + warmup + steps + 1
     shape = dict(pool_size=batch_size * longest, max_running_requests=batch_size, max_context_len=longest, attention_backend="auto")
     if path == "loop":
-        runner = LoopModelRunner(model, **shape)
+        runner = ModelRunner(model, **shape)
     else:
-        runner = ModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
-                             enable_torch_compile=enable_torch_compile)
+        runner = GraphModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
+                                  enable_torch_compile=enable_torch_compile)
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)

@@ -204,7 +204,7 @@ async def stream_chunks(outputs: AsyncIterator[OutputPiece], make_chunk: Callabl
                         include_usage: bool) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer. ``make_chunk(text, finish_reason, usage)`` builds one
     chunk: ``text=None`` is the usage-only chunk, ``text=""`` with a finish reason the last one."""
-    # BEGIN EXERCISE: for each output: a chunk with its text if it has any, and when it finishes a chunk ("" and the finish reason); then, with include_usage, the usage-only chunk (text None, usage(prompt_tokens, completion_tokens) of the last output); always end with "data: [DONE]"; every line through sse()
+    # BEGIN EXERCISE: the stream's chunks for these outputs (text, finish, usage) [#streaming-sse]
     last = None
     async for out in outputs:
         if out.text:

@@ -274,7 +274,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
     """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
     it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
     (param = the API's field name) for a value that cannot be served."""
-    # BEGIN EXERCISE: pick max_tokens (or max_completion_tokens: both given and different is an error), check max_tokens >= 1, then build SamplingParams from the fields (None -> SamplingParams' default): it checks the rest; turn its ValueError into InvalidRequest naming the field its message starts with
+    # BEGIN EXERCISE: the request's SamplingParams from the OpenAI fields [#what-you-write]
     max_tokens = request.max_tokens
     other = getattr(request, "max_completion_tokens", None)
     if other is not None:

@@ -79,7 +79,7 @@ class SchedulerProcess:
 
     def event_loop(self) -> None:
         while True:
-            # BEGIN EXERCISE: receive what arrived (self.recv_requests: block only when the engine has no work), process each (self.process_input_request), then if the engine has work run one batch (self.run_batch: one engine step) and send its outputs (self.send_outputs)
+            # BEGIN EXERCISE: one turn of the loop: receive, process, run a batch, send [#the-scheduler-loop-scheduler_processpy]
             for message in self.recv_requests(block=not self.engine.has_work):
                 self.process_input_request(message)
             if self.engine.has_work:
@@ -133,7 +133,7 @@ class SchedulerProcess:
         params = req.sampling_params
         if req.fill_max_new_tokens:  # no max_tokens: up to the end of the context
             params = dataclasses.replace(params, max_new_tokens=max(1, self.context_len - len(req.input_ids) + 1))
-        # BEGIN EXERCISE: add the request to the engine (token ids, params, rid) and remember its Req in self.reqs; a ValueError means it can never be served: send an ErrorOut (status 400, the error's message) to the detokenizer instead
+        # BEGIN EXERCISE: add a tokenized request to the engine, or answer why it cannot be served [#the-scheduler-loop-scheduler_processpy]
         try:
             self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)
         except ValueError as error:
@@ -143,7 +143,7 @@ class SchedulerProcess:
     def abort_request(self, rid: str) -> None:
         """The client went away: end the request now (its KV is freed) and tell the detokenizer
         to forget it. A request that already finished is gone: nothing to do."""
-        # BEGIN EXERCISE: if the engine aborts it (engine.abort_request returns True), drop it from self.reqs and send a BatchTokenIDOut with no new tokens and FinishReason("abort") so the detokenizer forgets it
+        # BEGIN EXERCISE: abort a request and tell the detokenizer [#aborts-on-disconnect]
         if self.engine.abort_request(rid):
             req = self.reqs.pop(rid)
             self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(

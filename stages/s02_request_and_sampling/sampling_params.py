@@ -42,7 +42,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        raise NotImplementedError("Stage 2: check every field and raise ValueError saying what is wrong and what is allowed - see stages/s02_request_and_sampling/README.md")
+        raise NotImplementedError("Stage 2: check every field; a ValueError says what is wrong and what is allowed - see stages/s02_request_and_sampling/README.md#samplingparams-what-the-caller-asked-for")
 
     @property
     def is_greedy(self) -> bool:

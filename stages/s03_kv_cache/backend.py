@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from s00_foundation.attention import AttentionBackend, causal_attention
+from s00_foundation.attention import AttentionBackend, causal_attention  # noqa: F401
 
 from .kv_cache import KVCache
 
@@ -43,7 +43,6 @@ class KVCacheBackend(AttentionBackend):
                     f"request {i}: {seq_len} positions do not fit a cache of capacity {cache.capacity}; "
                     "call cache.reserve(seq_len) before the forward pass"
                 )
-            end = start + (seq_len - prefix_len)
-            raise NotImplementedError("Stage 3: store this request's new k, v (rows start:end) at positions [prefix_len, seq_len) of layer layer_id, then attend its queries over positions [0, seq_len) with causal_attention - see stages/s03_kv_cache/README.md")
-            start = end
+            end = start + (seq_len - prefix_len)  # noqa: F841
+            raise NotImplementedError("Stage 3: store this request's new K/V in its cache, then attend over the whole cache - see stages/s03_kv_cache/README.md#what-you-write")
         return torch.cat(outputs, dim=0)

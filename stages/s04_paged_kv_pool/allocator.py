@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from s00_foundation.device import host_to_device
+from s00_foundation.device import host_to_device  # noqa: F401
 
 from .memory_pool import PoolExhaustedError
 
@@ -82,7 +82,7 @@ class TokenToKVPoolAllocator:
                 f"KV pool: {needed} pages ({needed * p} slots) needed, {len(self.free_pages)} pages "
                 f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool bigger"
             )
-        raise NotImplementedError("Stage 4: take the fresh pages all requests need (self._take_pages), then give each request the slots of positions [prefix, seq): position j goes to offset j % page_size of the request's (j // page_size)-th page, which is last_loc's page while that one has room - see stages/s04_paged_kv_pool/README.md")
+        raise NotImplementedError("Stage 4: give every request the slots of its new positions, filling its last page first - see stages/s04_paged_kv_pool/README.md#what-you-write")
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back the pages that ``slots`` lie in (a finished request's slots: whole pages).
@@ -100,8 +100,8 @@ class TokenToKVPoolAllocator:
                 f"cannot free slot(s) {outside[:8].tolist()}: usable slots are {p}..{(self.num_pages + 1) * p - 1} "
                 f"(page 0, slots 0..{p - 1}, is the reserved dummy)"
             )
-        pages = torch.unique(slots // p).tolist()
-        raise NotImplementedError("Stage 4: if any of these pages is not allocated, raise ValueError naming them (double free, or never handed out) before changing anything; otherwise mark them free and put them back on the free list - see stages/s04_paged_kv_pool/README.md")
+        pages = torch.unique(slots // p).tolist()  # noqa: F841
+        raise NotImplementedError("Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write")
 
     def check_invariants(self, owners: Sequence[torch.Tensor] | None = None) -> None:
         """Raise AssertionError unless the bookkeeping is consistent.

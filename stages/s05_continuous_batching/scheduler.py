@@ -32,14 +32,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal, Sequence
 
 import torch
 
 from s02_request_and_sampling.engine import check_not_stuck
-from s02_request_and_sampling.req import FinishReason, Req
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.req import FinishReason, Req, TimeStats
+from s02_request_and_sampling.sampler import sample  # noqa: F401
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.model_runner import ModelRunner
 
@@ -48,15 +48,8 @@ from .schedule_batch import ScheduleBatch, slots_to_extend
 from .trace import StepTrace
 
 
-@dataclass
-class TimeStats:
-    """When things happened to one request (scheduler clock, seconds)."""
-
-    arrival: float  # add_request
-    scheduled: list[float] = field(default_factory=list)  # each admission (again after a retraction)
-    retracted: list[float] = field(default_factory=list)
-    first_token: float | None = None
-    finished: float | None = None  # finished or aborted
+# Why a request leaves the running batch; the prefix cache hears it (see Scheduler.keep_kv_of).
+LeaveReason = Literal["finished", "retracted", "aborted"]
 
 
 @dataclass
@@ -78,6 +71,12 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # The policy for a leaver's K/V: the reasons for which the prefix cache may keep it for later
+    # requests (cache_finished_req's insert); every other leaver's slots go straight back. Here
+    # only a finished request's prompt and answer are offered (NoPrefixCache keeps nothing anyway);
+    # stage 6 keeps every leaver's (RadixScheduler).
+    keep_kv_of: frozenset[LeaveReason] = frozenset({"finished"})
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -150,8 +149,6 @@ class Scheduler:
         if any(other.rid == req.rid for other in (*self.waiting, *self.reqs_holding_memory())):
             raise ValueError(f"request id {req.rid!r} is already waiting or running; request ids must be unique")
         self.check_servable(req)
-        req.req_pool_idx = None  # its row in the request -> slots table, while it runs
-        req.prefix_match = None  # what the prefix cache gave it, while it runs
         req.time_stats = TimeStats(arrival=self.clock())
         self.waiting.append(req)
 
@@ -166,7 +163,7 @@ class Scheduler:
             for req in self.running:
                 if req.rid == rid:
                     self.running.remove(req)
-                    self.release_req(req, insert=False)
+                    self.release_req(req, "aborted")
                     break
             else:
                 return False
@@ -231,11 +228,12 @@ class Scheduler:
         req.req_pool_idx, req.prefix_match, req.cached_len = row, match, match.cached_len
         req.time_stats.scheduled.append(self.clock())
 
-    def release_req(self, req: Req, insert: bool) -> None:
-        """A request leaves the running batch (finished, retracted or aborted): its K/V go to the
-        prefix cache (which frees every slot it does not keep) and its table row is freed.
-        Afterwards it holds nothing: req_pool_idx and prefix_match are None, cached_len is 0."""
-        raise NotImplementedError("Stage 5: hand the slots of the request's stored positions (table row up to cached_len) with their tokens to self.prefix_cache.cache_finished_req (insert as given), free its table row, then reset req_pool_idx, prefix_match and cached_len - see stages/s05_continuous_batching/README.md")
+    def release_req(self, req: Req, why: LeaveReason) -> None:
+        """A request leaves the running batch (``why``: finished, retracted or aborted): its K/V go
+        to the prefix cache, which may keep them when ``why`` is in ``keep_kv_of`` and frees every
+        slot it does not keep; its table row is freed. Afterwards it holds nothing:
+        req_pool_idx and prefix_match are None, cached_len is 0."""
+        raise NotImplementedError("Stage 5: a leaving request gives its K/V to the prefix cache and its row back - see stages/s05_continuous_batching/README.md#what-you-write")
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -243,21 +241,8 @@ class Scheduler:
         """Called when the pool cannot hold the next pass of every running request: retract the
         most recently admitted ones (to the front of the waiting queue) until it can.
         Returns the retracted requests, newest first."""
-        retracted: list[Req] = []
-        raise NotImplementedError("Stage 5: while more than one request runs and their next pass needs more slots (self.next_pass_slots) than self.available_slots(): take the most recently admitted running request out, release it (insert=False: it gets no prefix-cache entry) and put it back at the FRONT of self.waiting - see stages/s05_continuous_batching/README.md")
-        if self.running and self.next_pass_slots(self.running) > self.available_slots():
-            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
-                   else "retract_for_decode must retract until the others fit")
-            raise RuntimeError(
-                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
-                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
-                f"{self.runner.allocator.size} are free: {why}"
-            )
-        now = self.clock()
-        for req in retracted:
-            req.time_stats.retracted.append(now)
-        self.stats.num_retractions += len(retracted)
-        return retracted
+        retracted: list[Req] = []  # noqa: F841
+        raise NotImplementedError("Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry")
 
     def order_waiting(self) -> None:
         """The admission order: first come, first served, so the queue stays as it is. Stage 6
@@ -280,19 +265,29 @@ class Scheduler:
         7's half-prefilled request); they count as admitted first. Returns the newly admitted
         requests (each started with start_req, its device_len set to the end of its pass), in order."""
         self.order_waiting()
-        admitted: list[Req] = list(scheduled)
-        reserved = self.reserved_slots([*self.running, *scheduled])
+        admitted: list[Req] = list(scheduled)  # noqa: F841
+        reserved = self.reserved_slots([*self.running, *scheduled])  # noqa: F841
         budget = self.max_prefill_tokens if budget is None else budget
-        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), take its pass length from self.prefill_len, stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, set its device_len to the end of its pass, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
-        return admitted[len(scheduled) :]
+        raise NotImplementedError("Stage 5: admit waiting requests in order under the three budgets - see stages/s05_continuous_batching/README.md#admission-three-budgets-and-the-room-in-the-pool")
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """After the forward pass: every request of the batch now has its new tokens' K/V
         stored; each samples one token with its own SamplingParams and checks whether it is
         done. Finished requests are retired at once. Returns the requests that got a token:
         all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
-        reqs = batch.reqs
-        raise NotImplementedError("Stage 5: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True), keep only unfinished ones in self.running, return reqs - see stages/s05_continuous_batching/README.md")
+        reqs = batch.reqs  # noqa: F841
+        raise NotImplementedError("Stage 5: sample one token per request, retire the finished ones - see stages/s05_continuous_batching/README.md#what-you-write")
+
+    def check_room_after_retraction(self) -> None:
+        """After retract_for_decode: the running requests' next pass must fit, or nothing can run."""
+        if self.running and self.next_pass_slots(self.running) > self.available_slots():
+            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
+                   else "retract_for_decode must retract until the others fit")
+            raise RuntimeError(
+                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
+                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
+                f"{self.runner.allocator.size} are free: {why}"
+            )
 
     def step(self) -> list[TokenOutput]:
         """One scheduling step and one forward pass. Returns what each request of the pass got."""
@@ -301,6 +296,11 @@ class Scheduler:
         start = self.clock()
         short = self.next_pass_slots(self.running) > self.available_slots()
         retracted = self.retract_for_decode() if short else []
+        if short:
+            self.check_room_after_retraction()
+        for req in retracted:
+            req.time_stats.retracted.append(start)
+        self.stats.num_retractions += len(retracted)
         admitted = self.admit_new_requests()
         if not self.running and not admitted:
             head = self.waiting[0]

@@ -32,7 +32,7 @@ This implements stage 5's ``PrefixCache`` protocol (see ``s05_continuous_batchin
 
 from __future__ import annotations
 
-import heapq
+import heapq  # noqa: F401
 import itertools
 from typing import Sequence
 
@@ -111,8 +111,7 @@ class RadixCache:
         Every node on the path counts as just used."""
         key = list(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
-        raise NotImplementedError("Stage 6: walk down from the root while a child starts with the key's next token (page): touch it, take its slots; if the match ends inside its edge, split it (self._split_node) and stop there - see stages/s06_radix_cache/README.md")
-        return PrefixMatch(len(slots), slots, node)
+        raise NotImplementedError("Stage 6: the longest cached prefix of a key, splitting an edge it leaves in the middle - see stages/s06_radix_cache/README.md#what-you-write")
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         """Add ``token_ids`` (a whole number of pages) with the slots holding their K/V. Returns how
@@ -123,14 +122,13 @@ class RadixCache:
         if len(key) % self.page_size or len(slots) != len(key):
             raise ValueError(f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
                              f"got {len(key)} tokens and {len(slots)} slots")
-        raise NotImplementedError("Stage 6: walk down like match_prefix (touching nodes, splitting an edge the key leaves in the middle), counting the tokens already present; hang the rest of the key (with its slots, cloned) as a new leaf and count it as evictable - see stages/s06_radix_cache/README.md")
-        return present
+        raise NotImplementedError("Stage 6: insert a key with its slots; return how much of it was already there - see stages/s06_radix_cache/README.md#what-you-write")
 
     def _update_lock(self, node: TreeNode, delta: int) -> None:
         """Add ``delta`` (+1 or -1) to the lock count of ``node`` and of every node above it (the
         root aside); a node going from unlocked to locked moves its tokens from the evictable size
         to the protected size, and back."""
-        raise NotImplementedError("Stage 6: walk from node up to (not including) the root: move len(node.key) between evictable_size_ and protected_size_ when lock_ref goes 0 -> 1 (delta +1) or 1 -> 0 (delta -1), and add delta to lock_ref - see stages/s06_radix_cache/README.md")
+        raise NotImplementedError("Stage 6: lock or unlock the path from a node up to the root - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam")
 
     def lock(self, match: PrefixMatch) -> None:
         self._update_lock(match.node, +1)
@@ -147,7 +145,7 @@ class RadixCache:
         Without ``insert`` every slot it allocated itself is freed. Either way its match is unlocked."""
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_finished_req got {len(token_ids)} tokens but {len(slots)} slots")
-        raise NotImplementedError("Stage 6: with insert: insert the page-aligned part, free the request's own duplicate slots [match.cached_len, already present) and its unaligned tail; without: free slots[match.cached_len:]; then unlock the match - see stages/s06_radix_cache/README.md")
+        raise NotImplementedError("Stage 6: a leaving request's K/V: into the tree, or freed - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam")
 
     def evictable_size(self) -> int:
         return self.evictable_size_
@@ -155,10 +153,8 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Give unlocked leaves back to the allocator, least recently used first, until at least
         ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed."""
-        evicted = 0
-        raise NotImplementedError("Stage 6: heap of the unlocked leaves (TreeNode sorts by last_access_time); pop, free its slots, detach it from its parent, update evictable_size_; a parent left childless and unlocked (not the root) joins the heap - see stages/s06_radix_cache/README.md")
-        self.evicted_tokens += evicted
-        return evicted
+        evicted = 0  # noqa: F841
+        raise NotImplementedError("Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write")
 
     def cached_slots(self) -> torch.Tensor:
         values = [node.value.reshape(-1).cpu() for node in self._all_nodes()]

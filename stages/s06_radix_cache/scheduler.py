@@ -6,9 +6,10 @@ hands every leaving request's K/V to it; with a ``RadixCache`` plugged in two th
 
 - the waiting queue is ordered by a ``SchedulePolicy`` (longest cached prefix first, or FCFS)
   before each admission;
-- every leaving request keeps its K/V in the tree, retracted (and aborted) ones too: the slots
-  hold valid K/V whatever the reason it left, and a retracted request readmitted later finds
-  its own prefix there and recomputes only what was evicted meanwhile.
+- every leaving request keeps its K/V in the tree, retracted (and aborted) ones too
+  (``keep_kv_of``): the slots hold valid K/V whatever the reason it left, and a retracted
+  request readmitted later finds its own prefix there and recomputes only what was evicted
+  meanwhile.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from s02_request_and_sampling.req import Req
 from s05_continuous_batching.prefix_cache import PrefixMatch
-from s05_continuous_batching.scheduler import Scheduler, SchedulerStats
+from s05_continuous_batching.scheduler import LeaveReason, Scheduler, SchedulerStats
 
 from .schedule_policy import SchedulePolicy
 
@@ -28,6 +29,8 @@ class RadixSchedulerStats(SchedulerStats):
 
 
 class RadixScheduler(Scheduler):
+    keep_kv_of: frozenset[LeaveReason] = frozenset({"finished", "retracted", "aborted"})  # the module docstring says why
+
     def __init__(self, runner, prefix_cache, schedule_policy: str = "lpm", **knobs):
         """``knobs``: stage 5's (max_prefill_tokens, new_token_ratio, on_step, clock)."""
         super().__init__(runner, prefix_cache, **knobs)
@@ -37,9 +40,6 @@ class RadixScheduler(Scheduler):
     def start_req(self, req: Req, match: PrefixMatch) -> None:
         super().start_req(req, match)
         self.stats.cached_tokens += match.cached_len
-
-    def release_req(self, req: Req, insert: bool) -> None:
-        super().release_req(req, insert=True)  # see the module docstring: every leaver's K/V is kept
 
     def order_waiting(self) -> None:
         """Longest cached prefix first (or FCFS for a long queue), as the policy decides."""

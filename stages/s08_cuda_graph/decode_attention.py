@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F401
 
 from s00_foundation.forward_batch import ForwardBatch, ForwardMode, leading_decodes
 from s04_paged_kv_pool.flash_backend import BLOCK_TABLE_PAGE_MULTIPLE, FlashAttentionBackend
@@ -75,8 +75,8 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         """Fill ``meta.kv_indices`` and ``meta.key_mask`` in place for the requests in the table
         rows ``req_pool_indices``, whose lengths are already in ``meta.seq_lens``. Device work
         only (no .tolist(), no loop): it runs before every replay of a graph."""
-        kv_len = meta.kv_indices.shape[1]
-        raise NotImplementedError("Stage 8: copy_ the first kv_len slots of each request's table row (req_to_token[req_pool_indices]) into meta.kv_indices, and \"key position < seq_len\" (self.key_positions, meta.seq_lens) into meta.key_mask - see stages/s08_cuda_graph/README.md")
+        kv_len = meta.kv_indices.shape[1]  # noqa: F841
+        raise NotImplementedError("Stage 8: fill the static decode metadata in place (kv_indices and the key mask) - see stages/s08_cuda_graph/README.md#what-you-write")
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eagerly, once per pass: decode metadata for the leading decode rows (kv_len = their
@@ -165,9 +165,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
     def attend_decode(self, q, layer_id: int, kv_indices: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Attention of one new token per row over its keys: q [n, H, D], kv_indices / key_mask
         [n, kv_len] -> [n, H, D], in one SDPA call."""
-        pool = self.token_to_kv_pool
-        n, kv_len = kv_indices.shape
-        raise NotImplementedError("Stage 8: gather this layer's K and V rows at kv_indices (index_select on the flattened indices, viewed as [n, kv_len, KVH, D]); then one SDPA call: queries [n, H, 1, D], keys/values [n, KVH, kv_len, D], attn_mask from key_mask, enable_gqa=True - see stages/s08_cuda_graph/README.md")
+        pool = self.token_to_kv_pool  # noqa: F841
+        n, kv_len = kv_indices.shape  # noqa: F841
+        raise NotImplementedError("Stage 8: decode attention for every row in one batched call - see stages/s08_cuda_graph/README.md#what-you-write")
 
 
 class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend):

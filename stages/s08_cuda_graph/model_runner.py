@@ -1,4 +1,4 @@
-"""Stage 4's ``ModelRunner`` with batched decode attention and a ``CudaGraphRunner``.
+"""``GraphModelRunner``: stage 4's ``ModelRunner`` with batched decode attention and a ``CudaGraphRunner``.
 
     forward(batch)
       ├─ decode, at most cuda_graph_max_bs requests ─▶ cuda_graph_runner.replay(batch)   path "graph"
@@ -20,7 +20,7 @@ import torch
 from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.model import CausalLM
 from s04_paged_kv_pool.flash_backend import FlashAttentionBackend
-from s04_paged_kv_pool.model_runner import ModelRunner as EagerModelRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
 
 from .cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_KV_LEN, CudaGraphRunner, reserve_dummy_row
 from .decode_attention import DecodeAttentionBackend, DecodeFlashAttentionBackend
@@ -29,7 +29,7 @@ from .torch_compile import compile_model
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
 
 
-class ModelRunner(EagerModelRunner):
+class GraphModelRunner(ModelRunner):
     def __init__(
         self,
         model: CausalLM,
@@ -66,7 +66,4 @@ class ModelRunner(EagerModelRunner):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""
-        raise NotImplementedError("Stage 8: when there is a cuda_graph_runner and it can_run the batch, replay it (path \"graph\"); otherwise stage 4's forward (super().forward, path \"eager\"); record the path in self.last_forward_path and count it in self.forward_paths - see stages/s08_cuda_graph/README.md")
-        self.last_forward_path = path
-        self.forward_paths[path] += 1
-        return logits
+        raise NotImplementedError("Stage 8: replay a graph when one can run the batch, else the eager pass - see stages/s08_cuda_graph/README.md#what-you-write")

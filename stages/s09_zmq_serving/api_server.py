@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .io_struct import (
     AbortReq, BatchStrOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, GenerateReqInput, describe_error,
 )
-from .protocol import (
+from .protocol import (  # noqa: F401
     ChatCompletionRequest, CompletionRequest, InvalidRequest, Limits, chat_chunk, chat_completion, chat_messages,
     check_limits, check_supported, completion, completion_chunk, completion_prompt, error_body, new_id,
     to_sampling_params, usage,
@@ -170,7 +170,7 @@ class EngineClient:
             while True:
                 waits = ([DISCONNECT_POLL_S] if request is not None else []) + (
                     [max(0.0, deadline - loop.time())] if deadline is not None else [])
-                done, _ = await asyncio.wait({getter}, timeout=min(waits) if waits else None)
+                done, _ = await asyncio.wait({getter}, timeout=min(waits) if waits else None)  # noqa: F841
                 # Checked on every piece too: pieces may come faster than the poll interval.
                 if request is not None and await request.is_disconnected():
                     raise ClientGone()
@@ -204,7 +204,7 @@ async def stream_chunks(outputs: AsyncIterator[OutputPiece], make_chunk: Callabl
                         include_usage: bool) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer. ``make_chunk(text, finish_reason, usage)`` builds one
     chunk: ``text=None`` is the usage-only chunk, ``text=""`` with a finish reason the last one."""
-    raise NotImplementedError("Stage 9: for each output: a chunk with its text if it has any, and when it finishes a chunk (\"\" and the finish reason); then, with include_usage, the usage-only chunk (text None, usage(prompt_tokens, completion_tokens) of the last output); always end with \"data: [DONE]\"; every line through sse() - see stages/s09_zmq_serving/README.md")
+    raise NotImplementedError("Stage 9: the stream's chunks for these outputs (text, finish, usage) - see stages/s09_zmq_serving/README.md#streaming-sse")
 
 
 class RequestGuard:

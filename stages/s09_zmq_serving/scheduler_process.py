@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import zmq
 
-from s02_request_and_sampling.req import FinishReason
+from s02_request_and_sampling.req import FinishReason  # noqa: F401
 from s08_cuda_graph.engine import Engine  # the newest stage's engine: this one line picks what is served
 
 from .io_struct import (
@@ -79,7 +79,7 @@ class SchedulerProcess:
 
     def event_loop(self) -> None:
         while True:
-            raise NotImplementedError("Stage 9: receive what arrived (self.recv_requests: block only when the engine has no work), process each (self.process_input_request), then if the engine has work run one batch (self.run_batch: one engine step) and send its outputs (self.send_outputs) - see stages/s09_zmq_serving/README.md")
+            raise NotImplementedError("Stage 9: one turn of the loop: receive, process, run a batch, send - see stages/s09_zmq_serving/README.md#the-scheduler-loop-scheduler_processpy")
 
     def recv_requests(self, block: bool) -> list:
         """Every message waiting on the socket. With ``block``, first wait for one (up to
@@ -128,12 +128,12 @@ class SchedulerProcess:
         params = req.sampling_params
         if req.fill_max_new_tokens:  # no max_tokens: up to the end of the context
             params = dataclasses.replace(params, max_new_tokens=max(1, self.context_len - len(req.input_ids) + 1))
-        raise NotImplementedError("Stage 9: add the request to the engine (token ids, params, rid) and remember its Req in self.reqs; a ValueError means it can never be served: send an ErrorOut (status 400, the error's message) to the detokenizer instead - see stages/s09_zmq_serving/README.md")
+        raise NotImplementedError("Stage 9: add a tokenized request to the engine, or answer why it cannot be served - see stages/s09_zmq_serving/README.md#the-scheduler-loop-scheduler_processpy")
 
     def abort_request(self, rid: str) -> None:
         """The client went away: end the request now (its KV is freed) and tell the detokenizer
         to forget it. A request that already finished is gone: nothing to do."""
-        raise NotImplementedError("Stage 9: if the engine aborts it (engine.abort_request returns True), drop it from self.reqs and send a BatchTokenIDOut with no new tokens and FinishReason(\"abort\") so the detokenizer forgets it - see stages/s09_zmq_serving/README.md")
+        raise NotImplementedError("Stage 9: abort a request and tell the detokenizer - see stages/s09_zmq_serving/README.md#aborts-on-disconnect")
 
     # --- one step -------------------------------------------------------------------------------
 

@@ -39,7 +39,9 @@ def test_an_unwritten_exercise_names_its_file_line_and_function():
     assert "test(s) stop at stages/s04_paged_kv_pool/allocator.py:" in summary, out[-3000:]
     # Among the failures, the exercise's text in full once, then "the same exercise as above".
     failures = out.split("FAILURES")[1].split("exercises not written yet")[0]
-    assert failures.count("-> Stage 4: take the fresh pages") == 1, failures[:3000]
+    # The one-line task and the README section that holds the idea, a first hint and the folded recipe.
+    task = "-> Stage 4: give every request the slots of its new positions, filling its last page first"
+    assert failures.count(f"{task} - see stages/s04_paged_kv_pool/README.md#what-you-write") == 1, failures[:3000]
     assert "(the same exercise as above)" in failures, failures[:3000]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.make_skeleton import MarkerError, skeleton_source
+from tools.make_skeleton import BEGIN, MarkerError, skeleton_source
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATOR = REPO / "tools" / "make_skeleton.py"
@@ -28,11 +29,11 @@ SOLUTION = textwrap.dedent('''\
     class Box:
         def size(self):
             total = 0
-            # BEGIN EXERCISE: add up the items
+            # BEGIN EXERCISE: add up the items [#the-box]
             for item in self.items:
                 total += item
-            # END EXERCISE
             return total
+            # END EXERCISE
     ''')
 
 
@@ -67,9 +68,8 @@ def test_regions_become_one_raise_at_the_markers_indentation(tree):
 
         class Box:
             def size(self):
-                total = 0
-                raise NotImplementedError("Stage 3: add up the items - see stages/s03_demo/README.md")
-                return total
+                total = 0  # noqa: F841
+                raise NotImplementedError("Stage 3: add up the items - see stages/s03_demo/README.md#the-box")
         ''')
     namespace = {}
     exec(compile(got, "work.py", "exec"), namespace)
@@ -137,6 +137,47 @@ def test_malformed_markers_name_file_and_line(source, expected):
     assert str(caught.value).startswith(expected), str(caught.value)
 
 
+def test_code_after_a_region_in_its_block_is_refused_as_dead_code():
+    source = "def f(x):\n    y = x\n    # BEGIN EXERCISE: a\n    y += 1\n    # END EXERCISE\n    return y\n"
+    with pytest.raises(MarkerError, match=r"s01_x/m.py:3: code follows this region in the same block \('return y'\)"):
+        skeleton_source(source, "s01_x/m.py", 1, "s01_x")
+    inner = "def f(x):\n    if x:\n        # BEGIN EXERCISE: a\n        x += 1\n        # END EXERCISE\n    return x\n"
+    assert "raise NotImplementedError" in skeleton_source(inner, "s01_x/m.py", 1, "s01_x")  # the block ended
+
+
+def test_a_task_longer_than_one_line_is_refused():
+    task = "do this, then that, " * 6
+    source = f"def f():\n    # BEGIN EXERCISE: {task}\n    return 1\n    # END EXERCISE\n"
+    with pytest.raises(MarkerError, match=r"s01_x/m.py:2: the task is \d+ characters; name it in one line"):
+        skeleton_source(source, "s01_x/m.py", 1, "s01_x")
+
+
+def test_names_only_the_removed_region_used_are_marked_for_the_linter():
+    source = textwrap.dedent('''\
+        import heapq
+        import math
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from collections import deque
+
+
+        def f(queue: "deque[int]", x: float) -> float:
+            rows, kept = list(queue), 2
+            scale = math.sqrt(x)
+            # BEGIN EXERCISE: pop the smallest [#pop]
+            return heapq.heappop(rows) * scale
+            # END EXERCISE
+        ''')
+    got = skeleton_source(source, "s01_x/m.py", 1, "s01_x").splitlines()
+    assert got[0] == "import heapq  # noqa: F401"  # only the exercise used it
+    assert got[1] == "import math"  # the skeleton still uses it
+    assert got[5] == "    from collections import deque"  # a quoted annotation uses it
+    assert got[9] == "    rows, kept = list(queue), 2  # noqa: F841"
+    assert got[10] == "    scale = math.sqrt(x)  # noqa: F841"
+    assert got[11] == '    raise NotImplementedError("Stage 1: pop the smallest - see stages/s01_x/README.md#pop")'
+
+
 def test_a_skeleton_that_is_not_python_is_refused():
     source = "def f(x):\n    # BEGIN EXERCISE: a\n    if x:\n    # END EXERCISE\n        return 1\n"
     with pytest.raises(MarkerError, match="s01_x/m.py:5: the generated skeleton is not valid Python"):
@@ -154,3 +195,35 @@ def test_the_command_reports_marker_errors_with_file_and_line(tree):
     done = generate(tree)
     assert done.returncode == 2
     assert "solutions/s03_demo/bad.py:2: BEGIN EXERCISE has no matching END EXERCISE" in done.stderr
+
+
+def heading_anchors(readme: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces -> '-')."""
+    anchors = set()
+    for line in readme.splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().replace("`", "").lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return anchors
+
+
+def test_every_exercise_names_its_task_in_one_line_and_points_at_a_readme_section():
+    problems = []
+    for path in sorted((REPO / "solutions").glob("s*/**/*.py")):
+        package = path.relative_to(REPO / "solutions").parts[0]
+        source = path.read_text(encoding="utf-8")
+        if "BEGIN EXERCISE" not in source:
+            continue
+        readme = (REPO / "solutions" / package / "README.md").read_text(encoding="utf-8")
+        for number, line in enumerate(source.splitlines(), start=1):
+            begin = BEGIN.match(line)
+            if not begin:
+                continue
+            where = f"{path.relative_to(REPO)}:{number}"
+            if begin.group(3) is None:
+                problems.append(f"{where}: no [#anchor] to the README section of this exercise")
+            elif begin.group(3) not in heading_anchors(readme):
+                problems.append(f"{where}: #{begin.group(3)} is no heading of solutions/{package}/README.md")
+        if "<summary>If you are stuck" not in readme:
+            problems.append(f"solutions/{package}/README.md: no folded 'If you are stuck' recipe")
+    assert not problems, "\n".join(problems)

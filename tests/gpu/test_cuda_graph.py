@@ -20,17 +20,17 @@ from s00_foundation.loader import load_model
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
-from s04_paged_kv_pool.model_runner import ModelRunner as EagerRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
 from s08_cuda_graph.decode_attention import flash_attn_with_kvcache
-from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
+from s08_cuda_graph.model_runner import GraphModelRunner
 
 QUESTION = "What is the capital of France?"
 
 
 def runner_pair(model, attention_backend: str = "torch", page_size: int = 1, max_bs: int = 8):
     shape = dict(pool_size=2048, page_size=page_size, max_running_requests=16, max_context_len=512)
-    graph = GraphRunner(model, attention_backend=attention_backend, cuda_graph_max_bs=max_bs, **shape)
-    return graph, EagerRunner(model, attention_backend=attention_backend, **shape)
+    graph = GraphModelRunner(model, attention_backend=attention_backend, cuda_graph_max_bs=max_bs, **shape)
+    return graph, ModelRunner(model, attention_backend=attention_backend, **shape)
 
 
 def drive(runner, prompts, sizes, tokens_from=None):

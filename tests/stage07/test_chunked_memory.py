@@ -13,12 +13,12 @@ from chunked_helpers import assert_pool_free_after_tree, check_all, chunked_engi
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
 from s07_chunked_prefill.engine import Engine
-from s07_chunked_prefill.prefix_cache import RadixCache
+from s07_chunked_prefill.prefix_cache import ChunkedRadixCache
 
 
 def test_cache_unfinished_req_moves_the_lock_and_frees_duplicates():
     allocator = TokenToKVPoolAllocator(64, page_size=1)
-    cache = RadixCache(allocator)
+    cache = ChunkedRadixCache(allocator)
     # Another request already left tokens 1..4 in the tree.
     other = allocator.alloc_extend([0], [4], [0])
     cache.insert([1, 2, 3, 4], other)
@@ -49,7 +49,7 @@ def test_cache_unfinished_req_moves_the_lock_and_frees_duplicates():
     assert allocator.available_size() == allocator.size, "evicting the tree must free every slot exactly once"
 
 
-class EagerRadixCache(RadixCache):
+class EagerRadixCache(ChunkedRadixCache):
     """A radix cache under memory pressure: whatever becomes evictable is evicted at once. A real
     server may evict between any two calls (another request's allocation needs room), so code
     that is correct for the radix cache is correct for this one too."""
@@ -84,7 +84,9 @@ def test_chunked_prefill_with_a_cache_that_evicts_at_once(tiny_models_root):
     path = tiny_models_root / "llama3"
 
     class EagerEngine(Engine):
-        radix_cache_class = EagerRadixCache
+        def make_prefix_cache(self):
+            self.tree_cache = EagerRadixCache(self.runner.allocator)
+            return self.tree_cache
 
     engine = EagerEngine(engine_model(str(path)), engine_tokenizer(str(path)), chunked_prefill_size=7, pool_size=256)
     prompts = [random_prompt(n, seed=n) for n in (30, 4, 19)]

@@ -7,7 +7,7 @@ import pytest
 from graph_helpers import runners
 from reference import engine_model
 from s00_foundation.forward_batch import ForwardBatch
-from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
+from s08_cuda_graph.model_runner import GraphModelRunner
 from s08_cuda_graph.cuda_graph_runner import capture_bs_buckets, kv_len_buckets
 
 
@@ -33,7 +33,7 @@ def test_key_lengths_stop_at_cuda_graph_max_kv_len(tiny_models_root):
     """Longer sequences than the largest key bucket decode eagerly: a bucket at the full table
     width would gather [bs, width] keys in every layer."""
     model = engine_model(str(tiny_models_root / "llama"))
-    runner = GraphRunner(model, pool_size=512, max_running_requests=8, max_context_len=1000, attention_backend="torch",
+    runner = GraphModelRunner(model, pool_size=512, max_running_requests=8, max_context_len=1000, attention_backend="torch",
                          cuda_graph_max_bs=4, cuda_graph_max_kv_len=200)
     graph = runner.cuda_graph_runner
     assert graph.capture_kv_lens == [64, 128, 200], f"key buckets up to cuda_graph_max_kv_len=200: got {graph.capture_kv_lens}"

@@ -12,7 +12,7 @@ import torch
 from graph_helpers import prompts_of, run_pass, runners, start
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s07_chunked_prefill.engine import Engine as Stage7Engine
+from s07_chunked_prefill.engine import ChunkedPrefillEngine
 from s08_cuda_graph.engine import Engine
 
 
@@ -52,7 +52,7 @@ def test_engine_greedy_equals_transformers_and_stage7(tiny_model_dir):
     # 6 requests, graphs up to 4: decodes of 5-6 requests run eagerly, 1-4 replay the graph path.
     engine = Engine(model, tok, pool_size=512, max_running_requests=8, cuda_graph_max_bs=4, disable_cuda_graph=False)
     got = engine.generate(prompts, [greedy(n) for n in limits])
-    stage7 = Stage7Engine(model, tok, pool_size=512, max_running_requests=8).generate(prompts, [greedy(n) for n in limits])
+    stage7 = ChunkedPrefillEngine(model, tok, pool_size=512, max_running_requests=8).generate(prompts, [greedy(n) for n in limits])
     for i, (prompt, n) in enumerate(zip(prompts, limits)):
         what = f"{tiny_model_dir.name}, request {i} ({len(prompt)}-token prompt, {n} new tokens)"
         assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, n), f"{what}, stage 8 vs transformers")
