@@ -12,8 +12,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 from transformers.utils import logging as hf_logging
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "llama_gqa_bias")

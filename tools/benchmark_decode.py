@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -34,7 +35,13 @@ import torch  # noqa: E402
 
 from s00_foundation.device import default_device, default_dtype, describe, set_torch_threads  # noqa: E402
 from s08_cuda_graph.decode_latency import (  # noqa: E402
-    PATHS, QWEN3_0_6B, SMALL_QWEN3, SMOLLM2_135M, bare_forward_latency, decode_step_latency, random_model,
+    PATHS,
+    QWEN3_0_6B,
+    SMALL_QWEN3,
+    SMOLLM2_135M,
+    bare_forward_latency,
+    decode_step_latency,
+    random_model,
 )
 
 SHAPES = {"qwen3": QWEN3_0_6B, "smollm2": SMOLLM2_135M}
@@ -81,7 +88,7 @@ def main() -> None:
     print("\n" + header)
     for context_len in contexts:
         for bs in sizes:
-            row = {"batch_size": bs, "context_len": context_len}
+            row: dict[str, Any] = {"batch_size": bs, "context_len": context_len}
             line = f"{bs:>6d} {context_len:>8d}"
             for path in paths:
                 result = decode_step_latency(model, bs, context_len, path, steps=args.steps, enable_torch_compile=args.torch_compile)

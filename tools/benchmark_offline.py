@@ -44,8 +44,9 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -217,7 +218,7 @@ def hf_batched(hf_model, workload: Workload, pad_id: int, deadline: float, progr
     config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
     page = 256
     cache = ContinuousBatchingConfig(page_size=page, num_blocks=CPU_POOL_BYTES // (page * kv_bytes_per_token(hf_model)))
-    results = {}
+    results: dict[str, Any] = {}
     with hf_model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cache,
                                                       persistent_manager=True) as manager:
         ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(workload.prompts, workload.output_lens)]
@@ -313,7 +314,7 @@ def agreement(ours: Prompts, theirs: Prompts) -> dict:
 
 def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad_id, device) -> dict:
     tokens = workload.output_tokens
-    row = {"name": workload.name, "what": workload.what, "output_tokens": tokens,
+    row: dict[str, Any] = {"name": workload.name, "what": workload.what, "output_tokens": tokens,
            "prompt_tokens": sum(len(p) for p in workload.prompts), "seconds": {}, "tokens_per_s": {}, "ratios": {}, "agreement": {}}
     print(f"\nworkload {workload.name}: {workload.what}; {row['prompt_tokens']} prompt tokens, {tokens} output tokens")
     progress = Progress(not args.no_progress)
@@ -332,7 +333,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     engine = Engine(model, tokenizer, **knobs)
     engine.generate([list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up (no prefix of the workload)
     progress.update("engine")
-    run, seconds = timed(lambda: run_engine(engine, workload), device)
+    run, seconds = timed(partial(run_engine, engine, workload), device)
     progress.clear()
     row["engine"] = run.stats
     report("engine", seconds, f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
@@ -353,7 +354,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
             warm_up = Workload("warm-up", "", [list(range(5, 13))], [2])
             fn(hf_model, warm_up, pad_id, time.monotonic() + 600, Progress(False))  # the batched manager's setup
             deadline = time.monotonic() + args.time_limit
-            theirs[system], their_s = timed(lambda: fn(hf_model, workload, pad_id, deadline, progress), device)
+            theirs[system], their_s = timed(partial(fn, hf_model, workload, pad_id, deadline, progress), device)
         except OutOfTime as stop:
             progress.clear()
             print(f"  {system:22s} past --time-limit {args.time_limit:.0f} s: {stop}")

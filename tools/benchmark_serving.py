@@ -180,7 +180,7 @@ def print_table(rows: list[dict], offline: dict | None) -> None:
     print(f"{'rate (req/s)':>12} {'done':>5} {'TTFT p50/p90/p99 (ms)':>24} {'ITL p50/p90/p99 (ms)':>22} "
           f"{'E2E p50/p90/p99 (ms)':>24} {'req/s':>6} {'tok/s':>7}" + ("  vs offline" if offline else ""))
     for row in rows:
-        def three(m):
+        def three(m, row=row):
             return "/".join(f"{row[m][f'p{p}']:.0f}" for p in PERCENTILES)
         ratio = f"  {row['throughput_tok_s'] / offline['throughput_tok_s']:9.2f}x" if offline else ""
         print(f"{row['rate']:>12g} {row['completed']:>5d} {three('ttft_ms'):>24} {three('itl_ms'):>22} {three('e2e_ms'):>24} "

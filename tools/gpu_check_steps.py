@@ -17,7 +17,9 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -34,7 +36,13 @@ from s02_request_and_sampling.sampling_params import SamplingParams  # noqa: E40
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend  # noqa: E402
 from s08_cuda_graph.cuda_graph_runner import DUMMY_SLOT, capture_bs_buckets, kv_len_buckets  # noqa: E402
 from s08_cuda_graph.decode_latency import (  # noqa: E402
-    PATHS, QWEN3_0_6B, SMALL_QWEN3, SMALL_SMOLLM2, SMOLLM2_135M, decode_step_latency, random_model,
+    PATHS,
+    QWEN3_0_6B,
+    SMALL_QWEN3,
+    SMALL_SMOLLM2,
+    SMOLLM2_135M,
+    decode_step_latency,
+    random_model,
 )
 from s08_cuda_graph.engine import Engine  # noqa: E402
 from s08_cuda_graph.model_runner import GraphModelRunner  # noqa: E402
@@ -53,7 +61,7 @@ class Checks:
     @contextmanager
     def check(self, name: str):
         """Run a check's body; it fills record["detail"] / ["data"] and may set ["status"]."""
-        record = {"check": name, "status": "PASS", "detail": "", "data": {}}
+        record: dict[str, Any] = {"check": name, "status": "PASS", "detail": "", "data": {}}
         start = time.perf_counter()
         print(f"--- {name}", flush=True)
         try:
@@ -225,7 +233,7 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
     limits = torch.randint(most_new // 2, most_new, (count,), generator=generator).tolist()
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in limits]
     max_bs, max_kv = ctx.graph_limits()
-    knobs = dict(pool_size=8192, max_running_requests=count, chunked_prefill_size=256, cuda_graph_max_bs=max_bs,
+    knobs: dict[str, Any] = dict(pool_size=8192, max_running_requests=count, chunked_prefill_size=256, cuda_graph_max_bs=max_bs,
                  cuda_graph_max_kv_len=max_kv)
     with ctx.check(f"{label}: engine tokens with graphs = without") as record:
         with_graphs = Engine(model, None, disable_cuda_graph=False, **knobs)
@@ -235,7 +243,8 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
         paths = dict(with_graphs.runner.forward_paths)
         assert paths.get("graph", 0) > 0, f"no decode took the graph path: {paths}"
         same = sum(a == b for a, b in zip(got, expected))
-        ties, problems = [], []
+        ties: list[str] = []
+        problems: list[str] = []
         for i, (a, b) in enumerate(zip(got, expected)):
             if a == b:
                 continue
@@ -278,7 +287,7 @@ def step_sdpa(ctx: Checks) -> None:
                 record["data"]["bucket"] = (8, kv_len)
                 bucket = graphs.replay_prepare(batch)
                 # the bucket's static batch, run eagerly: the operators its graph recorded
-                selected = attention_ops(lambda: graphs.model(graphs.batches[bucket], return_all_logits=True))
+                selected = attention_ops(partial(graphs.model, graphs.batches[bucket], return_all_logits=True))
                 bs, length = bucket
                 q = torch.randn(bs, heads, 1, head_dim, device=ctx.device, dtype=dtype)
                 k = torch.randn(bs, length, kv_heads, head_dim, device=ctx.device, dtype=dtype).transpose(1, 2)
@@ -314,7 +323,7 @@ def step_latency(ctx: Checks) -> None:
         with ctx.check(f"{label}, bfloat16: decode step latency, context {context_len}") as record:
             rows = []
             for bs in sizes:
-                row = {"batch_size": bs}
+                row: dict[str, Any] = {"batch_size": bs}
                 for path in PATHS:
                     result = decode_step_latency(model, bs, context_len, path, steps=steps, warmup=2)
                     row[f"{path}_ms"] = round(1000 * result["seconds"], 3)

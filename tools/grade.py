@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     print("scoring: " + ("isolated (stage N on the reference stages 1..N-1)" if args.isolated
                          else "cumulative (every stage on the learner's own earlier stages; --isolated: on the reference)"))
 
-    summary, taken = [], set()
+    summary: list[tuple] = []  # (checkout, points, total), None when it could not be graded
+    taken: set[str] = set()
     for checkout in (c.resolve() for c in args.checkouts):
         report = args.junit_dir / f"{report_name(checkout, taken)}.xml"
         print(f"\n== {checkout}")

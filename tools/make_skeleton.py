@@ -42,6 +42,7 @@ BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE: *(\S.*?)(?:\s+\[#([\w-]+)\])?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE\s*$")
 ANY_MARKER = re.compile(r"^\s*#\s*(BEGIN|END)\s+EXERCISE")
 MAX_TASK_CHARS = 100  # the one line a marker (and so the raise) names the task in
+LINE_LENGTH = 120  # pyproject.toml's [tool.ruff] line-length: a longer raise is written on three lines
 
 
 class MarkerError(ValueError):
@@ -82,8 +83,13 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
             message = f"Stage {stage}: {what} - see stages/{package}/README.md" + (f"#{anchor}" if anchor else "")
             literal = '"' + message.replace("\\", "\\\\").replace('"', '\\"') + '"'
             newline = line[len(line.rstrip("\r\n")):]
-            out.append(f"{indent}raise NotImplementedError({literal}){newline}")
-            origin.append(opened)
+            raised = f"{indent}raise NotImplementedError({literal})"
+            if len(raised) > LINE_LENGTH:  # as `ruff format` writes a call that does not fit one line
+                lines = [f"{indent}raise NotImplementedError(", f"{indent}    {literal}", f"{indent})"]
+            else:
+                lines = [raised]
+            out.extend(line_ + newline for line_ in lines)
+            origin.extend([opened] * len(lines))
             region = None
             dead_code_check(text.splitlines(), number, len(indent), where, opened)
     if region is not None:
@@ -92,9 +98,60 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
     try:
         compile(result, where, "exec")
     except SyntaxError as err:
-        line = origin[min(err.lineno or 1, len(origin)) - 1] if origin else 1
-        raise MarkerError(f"{where}:{line}: the generated skeleton is not valid Python ({err.msg}); check the markers' placement") from None
-    return mark_unused(result)
+        at = origin[min(err.lineno or 1, len(origin)) - 1] if origin else 1
+        raise MarkerError(f"{where}:{at}: the generated skeleton is not valid Python ({err.msg}); check the markers' placement") from None
+    return mark_unused(keep_generators(text, result))
+
+
+def _generators(tree: ast.AST) -> set[str]:
+    """The qualified names of the functions whose own body yields."""
+    return {name for name, function in _all_functions(tree).items() if _yields(function)}
+
+
+def _yields(function: ast.AST) -> bool:
+    stack = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def keep_generators(solution: str, skeleton: str) -> str:
+    """A generator whose every yield was in a removed region would become a plain function, and an
+    async one would fail with a TypeError instead of the exercise's message: after its raise, a
+    bare ``yield`` keeps it the kind of function it is (the raise comes when it is iterated)."""
+    lost = _generators(ast.parse(solution)) - _generators(ast.parse(skeleton))
+    if not lost:
+        return skeleton
+    lines = skeleton.splitlines(keepends=True)
+    tree = ast.parse(skeleton)
+    inserts = []
+    for qualname, function in _all_functions(tree).items():
+        last = function.body[-1]
+        if qualname in lost and isinstance(last, ast.Raise) and last.end_lineno is not None:
+            indent = lines[last.lineno - 1][: len(lines[last.lineno - 1]) - len(lines[last.lineno - 1].lstrip())]
+            inserts.append((last.end_lineno, f"{indent}yield  # keeps {function.name} a generator, as the solution is\n"))
+    for after, line in sorted(inserts, reverse=True):
+        lines.insert(after, line)
+    return "".join(lines)
+
+
+def _all_functions(tree: ast.AST) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    found: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    found[name] = child
+                visit(child, name + ".")
+
+    visit(tree, "")
+    return found
 
 
 def dead_code_check(lines: list[str], end_number: int, indent: int, where: str, opened: int) -> None:
@@ -118,7 +175,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 def mark_unused(source: str) -> str:
     """Append ``# noqa: F401`` to imports and ``# noqa: F841`` to local assignments that only a
     removed region used, so the skeleton lints clean and the learner keeps them."""
-    if "raise NotImplementedError(\"Stage " not in source:
+    if "raise NotImplementedError(" not in source:
         return source
     tree = ast.parse(source)
     loaded = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)}
@@ -142,14 +199,16 @@ def mark_unused(source: str) -> str:
             continue
         used = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store)}
         for node in ast.walk(function):
+            targets: list[ast.expr]
             if isinstance(node, ast.Assign):
                 targets = node.targets
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 targets = [node.target]
             else:
                 continue
-            names = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-            if all(isinstance(t, ast.Name) for t in names) and any(t.id not in used for t in names):
+            parts = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            ids = [t.id for t in parts if isinstance(t, ast.Name)]
+            if len(ids) == len(parts) and any(name not in used for name in ids):
                 marks[node.lineno] = "F841"
     if not marks:
         return source

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,7 +60,6 @@ CHUNK = 1 << 20
 def pyproject_requirement(name: str) -> str:
     """The dependency line of pyproject.toml for `name` (e.g. 'gguf>=0.10')."""
     import tomllib
-
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -122,7 +122,7 @@ def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[
     """Deal `files` into out/1, out/2, ... (a file cut across loads becomes NAME.partK pieces),
     each load with the same manifest: every file's size, SHA-256 and pieces, and what to install."""
     loads = deal(files, capacity)
-    manifest = {
+    manifest: dict[str, Any] = {
         "loads": len(loads),
         "requirements": requirements,
         "no_deps": no_deps,

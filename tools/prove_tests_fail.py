@@ -35,7 +35,8 @@ def stage_numbers(root: Path) -> dict[int, tuple[Path | None, Path | None]]:
 
 
 def prove(root: Path, wanted: set[int] | None, with_solutions: bool) -> int:
-    rows, defects = [], []
+    rows: list[tuple] = []  # one table row per stage
+    defects: list[str] = []
     with tempfile.TemporaryDirectory(prefix="skeleton-") as skeleton:
         made = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("make_skeleton.py")),

@@ -38,6 +38,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 from urllib.parse import urlsplit
 
 import requests
@@ -200,7 +201,7 @@ class Soak:
         self.problems: list[str] = []
         self.lock = threading.Lock()
 
-    def record(self, kind: str, outcome: str, problems: list[str] = ()) -> None:
+    def record(self, kind: str, outcome: str, problems: Sequence[str] = ()) -> None:
         with self.lock:
             self.outcomes[kind, outcome] += 1
             self.problems += [f"{kind}: {p}" for p in problems]

@@ -32,7 +32,8 @@ def naive_generate(
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, new_tokens = list(input_ids), []
+    tokens = list(input_ids)
+    new_tokens: list[int] = []
     # BEGIN EXERCISE: the greedy loop: recompute, pick, append, stop [#what-you-write]
     for _ in range(max_new_tokens):
         next_id = int(torch.argmax(next_token_logits(model, tokens)))

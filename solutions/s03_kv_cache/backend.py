@@ -30,7 +30,8 @@ class KVCacheBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         if batch.num_reqs != len(self.caches):
             raise ValueError(f"the batch has {batch.num_reqs} requests but the backend holds {len(self.caches)} caches")
-        outputs, start = [], 0
+        outputs: list[torch.Tensor] = []  # each request's attention output, in batch order
+        start = 0
         for i, (cache, prefix_len, seq_len) in enumerate(zip(self.caches, batch.prefix_lens, batch.seq_lens)):
             # The new tokens must continue exactly where the cache ends: a gap would leave
             # positions nobody wrote, an overlap would overwrite K/V that are already final.

@@ -13,7 +13,6 @@ import time
 from s00_foundation.device import describe
 from s00_foundation.milestone import add_model_args, load_from_args
 from s02_request_and_sampling.sampling_params import SamplingParams
-
 from s04_paged_kv_pool.__main__ import PROMPTS
 
 from .engine import Engine

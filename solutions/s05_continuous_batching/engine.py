@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Hashable, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Sequence, cast
 
 import torch
 
@@ -174,7 +174,7 @@ class ContinuousBatchingEngine:
         if self.tokenizer is None:
             if isinstance(prompt, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise ValueError(f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}")
-            ids, eos = list(prompt), self.model.config.eos_token_ids
+            ids, eos = cast(list[int], list(prompt)), self.model.config.eos_token_ids  # ints, as just checked
         else:
             ids, eos = encode(self.tokenizer, prompt), None  # None: the tokenizer's EOS ids
         return Req(rid, ids, sampling_params or SamplingParams(), tokenizer=self.tokenizer, eos_token_ids=eos)

@@ -47,7 +47,6 @@ from .prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from .schedule_batch import ScheduleBatch, slots_to_extend
 from .trace import StepTrace
 
-
 # Why a request leaves the running batch; the prefix cache hears it (see Scheduler.keep_kv_of).
 LeaveReason = Literal["finished", "retracted", "aborted"]
 

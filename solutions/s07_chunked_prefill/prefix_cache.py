@@ -17,12 +17,18 @@ radix cache is off: the request simply keeps its slots.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixMatch
+from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from s06_radix_cache.radix_cache import RadixCache
+
+
+class ChunkedPrefixCache(PrefixCache, Protocol):
+    """Stage 5's protocol plus the call after each chunk (the module docstring)."""
+
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch: ...
 
 
 class ChunkCache(NoPrefixCache):

@@ -36,6 +36,8 @@ from s04_paged_kv_pool.allocator import pages_for
 from s05_continuous_batching.schedule_batch import ScheduleBatch
 from s06_radix_cache.scheduler import RadixScheduler
 
+from .prefix_cache import ChunkedPrefixCache
+
 
 def prefill_pending(req: Req) -> bool:
     """Whether the request's prefill is unfinished after its current pass (more chunks to go)."""
@@ -43,6 +45,8 @@ def prefill_pending(req: Req) -> bool:
 
 
 class ChunkedPrefillScheduler(RadixScheduler):
+    prefix_cache: ChunkedPrefixCache
+
     def __init__(self, runner, prefix_cache, chunked_prefill_size: int | None = 512, **knobs):
         """``chunked_prefill_size``: the prompt tokens one step may compute; a prompt that does not
         fit what is left of it is cut there and continued in later steps. None: no chunking

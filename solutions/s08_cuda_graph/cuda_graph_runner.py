@@ -49,6 +49,7 @@ from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 from s04_paged_kv_pool.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
+    from .decode_attention import DecodeAttentionBackend
     from .model_runner import GraphModelRunner
 
 DUMMY_SLOT = 0  # slot 0 (page 0) of the KV pool is never handed out (s04 memory_pool.py)
@@ -93,7 +94,7 @@ class CudaGraphRunner:
         """Graphs for decodes of up to ``max_bs`` requests whose longest sequence has up to
         ``max_kv_len`` tokens (capped at the table's width), all captured here."""
         self.model = model_runner.model
-        self.attn_backend = model_runner.attn_backend
+        self.attn_backend: DecodeAttentionBackend = model_runner.attn_backend
         self.device = model_runner.device
         self.use_cuda_graph = self.device.type == "cuda"  # elsewhere: the same path, run eagerly
         self.capture_bs = capture_bs_buckets(max_bs)

@@ -30,6 +30,8 @@ DEFAULT_CUDA_GRAPH_MAX_BS = 64
 
 
 class GraphModelRunner(ModelRunner):
+    attn_backend: DecodeAttentionBackend  # stage 4's, with decodes batched (set in __init__)
+
     def __init__(
         self,
         model: CausalLM,

@@ -45,16 +45,35 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .io_struct import (
-    AbortReq, BatchStrOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, GenerateReqInput, describe_error,
+    AbortReq,
+    BatchStrOut,
+    DebugFaultReq,
+    DebugStateOut,
+    DebugStateReq,
+    ErrorOut,
+    GenerateReqInput,
+    describe_error,
 )
 from .protocol import (
-    ChatCompletionRequest, CompletionRequest, InvalidRequest, Limits, chat_chunk, chat_completion, chat_messages,
-    check_limits, check_supported, completion, completion_chunk, completion_prompt, error_body, new_id,
-    to_sampling_params, usage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    Limits,
+    chat_chunk,
+    chat_completion,
+    chat_messages,
+    check_limits,
+    check_supported,
+    completion,
+    completion_chunk,
+    completion_prompt,
+    error_body,
+    new_id,
+    to_sampling_params,
+    usage,
 )
 from .server_args import ServerArgs
 from .worker_loop import INJECTED, Heartbeats
-
 
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried

@@ -23,7 +23,6 @@ from typing import Any
 from s02_request_and_sampling.req import FinishReason
 from s02_request_and_sampling.sampling_params import SamplingParams
 
-
 # --- API server -> tokenizer worker -> scheduler -------------------------------------------------
 
 @dataclass

@@ -121,9 +121,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-def check_supported(request: _SamplingFields) -> None:
+def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject the fields that would change the result and that this server does not implement."""
-    unsupported = [
+    unsupported: list[tuple[str, object, str]] = [
         ("n", request.n not in (None, 1), "n > 1 (several choices per request) is not supported; send n=1 or leave it out"),
         ("logprobs", request.logprobs not in (None, False, 0), "logprobs are not supported by this server"),
         ("top_logprobs", request.top_logprobs not in (None, 0), "top_logprobs are not supported by this server"),
@@ -261,10 +261,11 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     prompt = request.prompt
     if isinstance(prompt, str):
         return prompt, None
-    if prompt and all(isinstance(p, int) for p in prompt):
-        if any(p < 0 for p in prompt):
+    ids = [p for p in prompt if isinstance(p, int)]
+    if prompt and len(ids) == len(prompt):
+        if any(p < 0 for p in ids):
             raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
-        return None, list(prompt)
+        return None, ids
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
     raise InvalidRequest("prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt")
@@ -284,7 +285,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
         max_tokens = other
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    given = {
+    given: dict[str, Any] = {
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
         "min_p": request.min_p, "seed": request.seed, "stop": request.stop,
     }

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 import zmq
@@ -40,7 +40,13 @@ from s02_request_and_sampling.req import FinishReason
 from s08_cuda_graph.engine import Engine  # the newest stage's engine: this one line picks what is served
 
 from .io_struct import (
-    AbortReq, BatchTokenIDOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, TokenizedGenerateReqInput,
+    AbortReq,
+    BatchTokenIDOut,
+    DebugFaultReq,
+    DebugStateOut,
+    DebugStateReq,
+    ErrorOut,
+    TokenizedGenerateReqInput,
     describe_error,
 )
 from .worker_loop import IDLE_POLL_MS, Fault, Heartbeats
@@ -72,7 +78,7 @@ class SchedulerProcess:
         self.recv_from_tokenizer = recv_from_tokenizer
         self.send_to_detokenizer = send_to_detokenizer
         self.heartbeats = heartbeats
-        self.reqs: dict[str, Any] = {}  # rid -> the engine's Req, while it is waiting or running
+        self.reqs: dict[Hashable, Any] = {}  # rid -> the engine's Req, while it is waiting or running
         self.context_len = context_len(engine)
 
     # --- the loop -------------------------------------------------------------------------------
@@ -92,7 +98,7 @@ class SchedulerProcess:
         iteration: it beats the heartbeat that /health reads."""
         if self.heartbeats is not None:
             self.heartbeats.beat("scheduler")
-        messages = []
+        messages: list[Any] = []
         if block and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
             return messages
         while True:
@@ -165,7 +171,7 @@ class SchedulerProcess:
             failed = self.engine.abort_failed_step()
             for req in failed:
                 if self.reqs.pop(req.rid, None) is not None:
-                    self.send_to_detokenizer.send_pyobj(ErrorOut.internal(req.rid, error, "the engine failed while running this request"))
+                    self.send_to_detokenizer.send_pyobj(ErrorOut.internal(str(req.rid), error, "the engine failed while running this request"))
             problems = self.check_invariants()
             if problems is not None:
                 raise RuntimeError(f"after a failed step ({describe_error(error)}) the engine's state is broken, "
@@ -247,7 +253,7 @@ class SchedulerProcess:
             armed.fire()
             return forward(batch)
 
-        runner.forward = faulty_forward
+        runner.forward = faulty_forward  # type: ignore[method-assign]  # one shot, see faulty_forward
 
 
 def run_scheduler_process(server_args, ipc, ready, heartbeats) -> None:

@@ -17,7 +17,9 @@ from s00_foundation.model import CausalLM
 
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
-    raise NotImplementedError("Stage 1: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) - see stages/s01_naive_generate/README.md#what-you-write")
+    raise NotImplementedError(
+        "Stage 1: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) - see stages/s01_naive_generate/README.md#what-you-write"
+    )
 
 
 def naive_generate(
@@ -29,5 +31,8 @@ def naive_generate(
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, new_tokens = list(input_ids), []  # noqa: F841
-    raise NotImplementedError("Stage 1: the greedy loop: recompute, pick, append, stop - see stages/s01_naive_generate/README.md#what-you-write")
+    tokens = list(input_ids)  # noqa: F841
+    new_tokens: list[int] = []  # noqa: F841
+    raise NotImplementedError(
+        "Stage 1: the greedy loop: recompute, pick, append, stop - see stages/s01_naive_generate/README.md#what-you-write"
+    )

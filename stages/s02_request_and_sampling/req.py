@@ -39,7 +39,9 @@ def find_stop_str(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, s
     (longest stop - 1) characters before it: searching only that window keeps each step O(1)
     however long the text grows. (Stage 9's detokenizer runs the same search.)
     """
-    raise NotImplementedError("Stage 2: find the stop string the new text completed, searching only a window - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why")
+    raise NotImplementedError(
+        "Stage 2: find the stop string the new text completed, searching only a window - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why"
+    )
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,9 @@ class Req:
         """
         if self.finished or not self.output_ids:
             return
-        raise NotImplementedError("Stage 2: decide whether the request is done, and why - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why")
+        raise NotImplementedError(
+            "Stage 2: decide whether the request is done, and why - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why"
+        )
 
     def abort(self) -> None:
         """End the request from outside (a client went away, a prompt too long to serve)."""

@@ -30,7 +30,9 @@ from .kv_cache import KVCache
 def forward_step(model: torch.nn.Module, reqs: Sequence[Req], caches: Sequence[KVCache]) -> None:
     """One forward pass for all ``reqs`` (caches[i] is reqs[i]'s cache): each sends what its
     cache lacks, then takes one sampled token."""
-    raise NotImplementedError("Stage 3: one cached step: extend every request's cache, sample, append - see stages/s03_kv_cache/README.md#what-you-write")
+    raise NotImplementedError(
+        "Stage 3: one cached step: extend every request's cache, sample, append - see stages/s03_kv_cache/README.md#what-you-write"
+    )
 
 
 def generate(

@@ -82,7 +82,9 @@ class TokenToKVPoolAllocator:
                 f"KV pool: {needed} pages ({needed * p} slots) needed, {len(self.free_pages)} pages "
                 f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool bigger"
             )
-        raise NotImplementedError("Stage 4: give every request the slots of its new positions, filling its last page first - see stages/s04_paged_kv_pool/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 4: give every request the slots of its new positions, filling its last page first - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        )
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back the pages that ``slots`` lie in (a finished request's slots: whole pages).
@@ -101,7 +103,9 @@ class TokenToKVPoolAllocator:
                 f"(page 0, slots 0..{p - 1}, is the reserved dummy)"
             )
         pages = torch.unique(slots // p).tolist()  # noqa: F841
-        raise NotImplementedError("Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        )
 
     def check_invariants(self, owners: Sequence[torch.Tensor] | None = None) -> None:
         """Raise AssertionError unless the bookkeeping is consistent.

@@ -67,7 +67,9 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
         last_locs = [0] * len(rows)  # noqa: F841
     else:
         last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()  # noqa: F841
-    raise NotImplementedError("Stage 4: allocate the new positions' slots, record them in the table, build the ForwardBatch - see stages/s04_paged_kv_pool/README.md#what-you-write")
+    raise NotImplementedError(
+        "Stage 4: allocate the new positions' slots, record them in the table, build the ForwardBatch - see stages/s04_paged_kv_pool/README.md#what-you-write"
+    )
 
 
 class StaticBatchEngine:
@@ -127,7 +129,9 @@ class StaticBatchEngine:
     def release(self, req: Req) -> None:
         """Give a finished request's slots and table row back."""
         row = req.req_pool_idx  # noqa: F841
-        raise NotImplementedError("Stage 4: free a finished request's slots and its table row - see stages/s04_paged_kv_pool/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 4: free a finished request's slots and its table row - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        )
 
     def step(self) -> list[Req]:
         """One forward pass for every running request; returns the requests it finished."""
@@ -144,7 +148,9 @@ class StaticBatchEngine:
 
     def process_batch_result(self, logits: torch.Tensor) -> None:
         """After the pass: row i of ``logits`` belongs to ``self.running[i]``."""
-        raise NotImplementedError("Stage 4: mark the pass cached, sample one token per request, append, check finished - see stages/s04_paged_kv_pool/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 4: mark the pass cached, sample one token per request, append, check finished - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        )
 
     def run(self, reqs: Sequence[Req]) -> None:
         """Run a static batch to completion (each Req ends with its output_ids and finish reason)."""

@@ -76,7 +76,9 @@ class PagedAttentionBackend(AttentionBackend):
             raise ValueError(f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens")
         device = batch.input_ids.device  # noqa: F841
         rows = batch.req_pool_indices.tolist()  # noqa: F841
-        raise NotImplementedError("Stage 4: the batch's qo_indptr, kv_indptr and kv_indices - see stages/s04_paged_kv_pool/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 4: the batch's qo_indptr, kv_indptr and kv_indices - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        )
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
         if self.forward_metadata is None or self.forward_metadata.batch is not batch:
@@ -89,4 +91,6 @@ class PagedAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         meta = self.metadata_for(batch)  # noqa: F841
         pool = self.token_to_kv_pool  # noqa: F841
-        raise NotImplementedError("Stage 4: write the new K/V into the pool, then attend each request over its own K/V - see stages/s04_paged_kv_pool/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 4: write the new K/V into the pool, then attend each request over its own K/V - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        )

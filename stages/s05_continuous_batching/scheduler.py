@@ -47,7 +47,6 @@ from .prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from .schedule_batch import ScheduleBatch, slots_to_extend
 from .trace import StepTrace
 
-
 # Why a request leaves the running batch; the prefix cache hears it (see Scheduler.keep_kv_of).
 LeaveReason = Literal["finished", "retracted", "aborted"]
 
@@ -233,7 +232,9 @@ class Scheduler:
         to the prefix cache, which may keep them when ``why`` is in ``keep_kv_of`` and frees every
         slot it does not keep; its table row is freed. Afterwards it holds nothing:
         req_pool_idx and prefix_match are None, cached_len is 0."""
-        raise NotImplementedError("Stage 5: a leaving request gives its K/V to the prefix cache and its row back - see stages/s05_continuous_batching/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 5: a leaving request gives its K/V to the prefix cache and its row back - see stages/s05_continuous_batching/README.md#what-you-write"
+        )
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -242,7 +243,9 @@ class Scheduler:
         most recently admitted ones (to the front of the waiting queue) until it can.
         Returns the retracted requests, newest first."""
         retracted: list[Req] = []  # noqa: F841
-        raise NotImplementedError("Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry")
+        raise NotImplementedError(
+            "Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry"
+        )
 
     def order_waiting(self) -> None:
         """The admission order: first come, first served, so the queue stays as it is. Stage 6
@@ -268,7 +271,9 @@ class Scheduler:
         admitted: list[Req] = list(scheduled)  # noqa: F841
         reserved = self.reserved_slots([*self.running, *scheduled])  # noqa: F841
         budget = self.max_prefill_tokens if budget is None else budget
-        raise NotImplementedError("Stage 5: admit waiting requests in order under the three budgets - see stages/s05_continuous_batching/README.md#admission-three-budgets-and-the-room-in-the-pool")
+        raise NotImplementedError(
+            "Stage 5: admit waiting requests in order under the three budgets - see stages/s05_continuous_batching/README.md#admission-three-budgets-and-the-room-in-the-pool"
+        )
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """After the forward pass: every request of the batch now has its new tokens' K/V
@@ -276,7 +281,9 @@ class Scheduler:
         done. Finished requests are retired at once. Returns the requests that got a token:
         all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
         reqs = batch.reqs  # noqa: F841
-        raise NotImplementedError("Stage 5: sample one token per request, retire the finished ones - see stages/s05_continuous_batching/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 5: sample one token per request, retire the finished ones - see stages/s05_continuous_batching/README.md#what-you-write"
+        )
 
     def check_room_after_retraction(self) -> None:
         """After retract_for_decode: the running requests' next pass must fit, or nothing can run."""

@@ -33,6 +33,7 @@ class RadixEngineConfig(EngineConfig):
 class RadixEngine(ContinuousBatchingEngine):
     config_class: ClassVar[type[EngineConfig]] = RadixEngineConfig
     config: RadixEngineConfig
+    scheduler: RadixScheduler
     tree_cache: RadixCache | None  # the radix tree, None when it is disabled
 
     def make_prefix_cache(self) -> PrefixCache:

@@ -111,7 +111,9 @@ class RadixCache:
         Every node on the path counts as just used."""
         key = list(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
-        raise NotImplementedError("Stage 6: the longest cached prefix of a key, splitting an edge it leaves in the middle - see stages/s06_radix_cache/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 6: the longest cached prefix of a key, splitting an edge it leaves in the middle - see stages/s06_radix_cache/README.md#what-you-write"
+        )
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         """Add ``token_ids`` (a whole number of pages) with the slots holding their K/V. Returns how
@@ -122,13 +124,17 @@ class RadixCache:
         if len(key) % self.page_size or len(slots) != len(key):
             raise ValueError(f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
                              f"got {len(key)} tokens and {len(slots)} slots")
-        raise NotImplementedError("Stage 6: insert a key with its slots; return how much of it was already there - see stages/s06_radix_cache/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 6: insert a key with its slots; return how much of it was already there - see stages/s06_radix_cache/README.md#what-you-write"
+        )
 
     def _update_lock(self, node: TreeNode, delta: int) -> None:
         """Add ``delta`` (+1 or -1) to the lock count of ``node`` and of every node above it (the
         root aside); a node going from unlocked to locked moves its tokens from the evictable size
         to the protected size, and back."""
-        raise NotImplementedError("Stage 6: lock or unlock the path from a node up to the root - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam")
+        raise NotImplementedError(
+            "Stage 6: lock or unlock the path from a node up to the root - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"
+        )
 
     def lock(self, match: PrefixMatch) -> None:
         self._update_lock(match.node, +1)
@@ -145,7 +151,9 @@ class RadixCache:
         Without ``insert`` every slot it allocated itself is freed. Either way its match is unlocked."""
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_finished_req got {len(token_ids)} tokens but {len(slots)} slots")
-        raise NotImplementedError("Stage 6: a leaving request's K/V: into the tree, or freed - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam")
+        raise NotImplementedError(
+            "Stage 6: a leaving request's K/V: into the tree, or freed - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"
+        )
 
     def evictable_size(self) -> int:
         return self.evictable_size_
@@ -154,7 +162,9 @@ class RadixCache:
         """Give unlocked leaves back to the allocator, least recently used first, until at least
         ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed."""
         evicted = 0  # noqa: F841
-        raise NotImplementedError("Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write"
+        )
 
     def cached_slots(self) -> torch.Tensor:
         values = [node.value.reshape(-1).cpu() for node in self._all_nodes()]

@@ -30,6 +30,7 @@ class RadixSchedulerStats(SchedulerStats):
 
 class RadixScheduler(Scheduler):
     keep_kv_of: frozenset[LeaveReason] = frozenset({"finished", "retracted", "aborted"})  # the module docstring says why
+    stats: RadixSchedulerStats
 
     def __init__(self, runner, prefix_cache, schedule_policy: str = "lpm", **knobs):
         """``knobs``: stage 5's (max_prefill_tokens, new_token_ratio, on_step, clock)."""

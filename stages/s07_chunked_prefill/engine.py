@@ -34,6 +34,7 @@ class ChunkedPrefillEngineConfig(RadixEngineConfig):
 class ChunkedPrefillEngine(RadixEngine):
     config_class: ClassVar[type[EngineConfig]] = ChunkedPrefillEngineConfig
     config: ChunkedPrefillEngineConfig
+    scheduler: ChunkedPrefillScheduler
 
     def make_prefix_cache(self) -> PrefixCache:
         """Stage 6's choice, with caches that also take a half-prefilled request's chunks."""

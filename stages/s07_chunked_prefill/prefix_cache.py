@@ -17,12 +17,18 @@ radix cache is off: the request simply keeps its slots.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixMatch
+from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from s06_radix_cache.radix_cache import RadixCache
+
+
+class ChunkedPrefixCache(PrefixCache, Protocol):
+    """Stage 5's protocol plus the call after each chunk (the module docstring)."""
+
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch: ...
 
 
 class ChunkCache(NoPrefixCache):
@@ -41,4 +47,6 @@ class ChunkedRadixCache(RadixCache):
         covers the inserted prefix, is locked, and replaces ``match`` (unlocked)."""
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_unfinished_req got {len(token_ids)} tokens but {len(slots)} slots")
-        raise NotImplementedError("Stage 7: insert a half-prefilled request's chunks and hand it the tree's copy - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req")
+        raise NotImplementedError(
+            "Stage 7: insert a half-prefilled request's chunks and hand it the tree's copy - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"
+        )

@@ -36,6 +36,8 @@ from s04_paged_kv_pool.allocator import pages_for
 from s05_continuous_batching.schedule_batch import ScheduleBatch
 from s06_radix_cache.scheduler import RadixScheduler
 
+from .prefix_cache import ChunkedPrefixCache
+
 
 def prefill_pending(req: Req) -> bool:
     """Whether the request's prefill is unfinished after its current pass (more chunks to go)."""
@@ -43,6 +45,8 @@ def prefill_pending(req: Req) -> bool:
 
 
 class ChunkedPrefillScheduler(RadixScheduler):
+    prefix_cache: ChunkedPrefixCache
+
     def __init__(self, runner, prefix_cache, chunked_prefill_size: int | None = 512, **knobs):
         """``chunked_prefill_size``: the prompt tokens one step may compute; a prompt that does not
         fit what is left of it is cut there and continued in later steps. None: no chunking
@@ -67,7 +71,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
         """The rest of ``req``'s fill_ids, cut to what is left of the step's budget."""
         rest = len(req.fill_ids) - cached_len  # noqa: F841
-        raise NotImplementedError("Stage 7: a request's pass length under the step's prefill budget - see stages/s07_chunked_prefill/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 7: a request's pass length under the step's prefill budget - see stages/s07_chunked_prefill/README.md#what-you-write"
+        )
 
     def next_chunk_len(self, req: Req, budget: int) -> int:
         """Tokens of the half-prefilled ``req``'s next chunk: the rest of its prompt, cut to the
@@ -84,7 +90,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
         ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []  # noqa: F841
-        raise NotImplementedError("Stage 7: the half-prefilled request's next chunk first, then stage 5's admission - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req")
+        raise NotImplementedError(
+            "Stage 7: the half-prefilled request's next chunk first, then stage 5's admission - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"
+        )
 
     # --- after the pass ----------------------------------------------------------------------------
 
@@ -100,7 +108,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """A request whose prefill is still pending stores its chunk and waits for its next one
         (never sampled); everyone else goes through stage 5's processing, with its own logits row."""
-        raise NotImplementedError("Stage 7: park the requests whose prefill is pending; sample the others - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req")
+        raise NotImplementedError(
+            "Stage 7: park the requests whose prefill is pending; sample the others - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"
+        )
 
     # --- the half-prefilled request elsewhere ------------------------------------------------------
 

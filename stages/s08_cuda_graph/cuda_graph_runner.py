@@ -49,6 +49,7 @@ from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 from s04_paged_kv_pool.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
+    from .decode_attention import DecodeAttentionBackend
     from .model_runner import GraphModelRunner
 
 DUMMY_SLOT = 0  # slot 0 (page 0) of the KV pool is never handed out (s04 memory_pool.py)
@@ -61,14 +62,18 @@ def capture_bs_buckets(max_bs: int) -> list[int]:
     """The batch sizes graphs are captured for: 1, 2, 4, 8, then steps of 8, and max_bs itself."""
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
-    raise NotImplementedError("Stage 8: the batch-size buckets to capture - see stages/s08_cuda_graph/README.md#what-you-write")
+    raise NotImplementedError(
+        "Stage 8: the batch-size buckets to capture - see stages/s08_cuda_graph/README.md#what-you-write"
+    )
 
 
 def kv_len_buckets(max_kv_len: int) -> list[int]:
     """Key lengths graphs are captured for: 64, 128, 256, ... doubling, and max_kv_len itself."""
     if max_kv_len < 1:
         raise ValueError(f"the table width (max_context_len) must be >= 1, got {max_kv_len}")
-    raise NotImplementedError("Stage 8: the KV-length buckets to capture - see stages/s08_cuda_graph/README.md#what-you-write")
+    raise NotImplementedError(
+        "Stage 8: the KV-length buckets to capture - see stages/s08_cuda_graph/README.md#what-you-write"
+    )
 
 
 def reserve_dummy_row(pool: ReqToTokenPool) -> int:
@@ -84,7 +89,7 @@ class CudaGraphRunner:
         """Graphs for decodes of up to ``max_bs`` requests whose longest sequence has up to
         ``max_kv_len`` tokens (capped at the table's width), all captured here."""
         self.model = model_runner.model
-        self.attn_backend = model_runner.attn_backend
+        self.attn_backend: DecodeAttentionBackend = model_runner.attn_backend
         self.device = model_runner.device
         self.use_cuda_graph = self.device.type == "cuda"  # elsewhere: the same path, run eagerly
         self.capture_bs = capture_bs_buckets(max_bs)
@@ -129,7 +134,9 @@ class CudaGraphRunner:
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for a decode batch (one new token per request) of at most max_bs requests, none
         longer than max_kv_len tokens."""
-        raise NotImplementedError("Stage 8: can a graph run this batch? - see stages/s08_cuda_graph/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 8: can a graph run this batch? - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
     def bucket_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
         """(bs, kv_len): the smallest captured batch size >= num_reqs, and the smallest key
@@ -138,7 +145,9 @@ class CudaGraphRunner:
             raise ValueError(f"{num_reqs} requests: graph buckets hold 1..{self.max_bs} (larger decodes run eagerly)")
         if not 1 <= max_seq_len <= self.max_kv_len:
             raise ValueError(f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)")
-        raise NotImplementedError("Stage 8: the smallest bucket that holds the batch - see stages/s08_cuda_graph/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 8: the smallest bucket that holds the batch - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
     # --- capture ----------------------------------------------------------------------------------
 
@@ -183,7 +192,9 @@ class CudaGraphRunner:
         if self.use_cuda_graph:
             # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
             self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])
-            raise NotImplementedError("Stage 8: warm up, then capture one bucket's decode pass - see stages/s08_cuda_graph/README.md#what-you-write")
+            raise NotImplementedError(
+                "Stage 8: warm up, then capture one bucket's decode pass - see stages/s08_cuda_graph/README.md#what-you-write"
+            )
         self.batches[bs, kv_len] = batch
 
     # --- replay -----------------------------------------------------------------------------------
@@ -205,7 +216,9 @@ class CudaGraphRunner:
         bs, kv_len = bucket  # noqa: F841
         # The static batch's host-side fields say what its rows now hold (the graph reads none of them).
         self.batches[bucket].seq_lens = list(forward_batch.seq_lens) + [1] * (bs - n)
-        raise NotImplementedError("Stage 8: copy the batch into the static buffers and pad it to its bucket - see stages/s08_cuda_graph/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 8: copy the batch into the static buffers and pad it to its bucket - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] of the real rows: the bucket's graph replayed on CUDA, the

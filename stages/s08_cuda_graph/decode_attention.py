@@ -76,7 +76,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         rows ``req_pool_indices``, whose lengths are already in ``meta.seq_lens``. Device work
         only (no .tolist(), no loop): it runs before every replay of a graph."""
         kv_len = meta.kv_indices.shape[1]  # noqa: F841
-        raise NotImplementedError("Stage 8: fill the static decode metadata in place (kv_indices and the key mask) - see stages/s08_cuda_graph/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 8: fill the static decode metadata in place (kv_indices and the key mask) - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eagerly, once per pass: decode metadata for the leading decode rows (kv_len = their
@@ -167,7 +169,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         [n, kv_len] -> [n, H, D], in one SDPA call."""
         pool = self.token_to_kv_pool  # noqa: F841
         n, kv_len = kv_indices.shape  # noqa: F841
-        raise NotImplementedError("Stage 8: decode attention for every row in one batched call - see stages/s08_cuda_graph/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 8: decode attention for every row in one batched call - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
 
 class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend):

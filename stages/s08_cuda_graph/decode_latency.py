@@ -89,11 +89,11 @@ def decode_step_latency(
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     longest = context_len + warmup + steps + 1
-    shape = dict(pool_size=batch_size * longest, max_running_requests=batch_size, max_context_len=longest, attention_backend="auto")
+    shape = (batch_size * longest, 1, batch_size, longest)  # pool_size, page_size, max_running_requests, max_context_len
     if path == "loop":
-        runner = ModelRunner(model, **shape)
+        runner = ModelRunner(model, *shape)
     else:
-        runner = GraphModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
+        runner = GraphModelRunner(model, *shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
                                   enable_torch_compile=enable_torch_compile)
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size

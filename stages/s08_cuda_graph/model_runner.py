@@ -30,6 +30,8 @@ DEFAULT_CUDA_GRAPH_MAX_BS = 64
 
 
 class GraphModelRunner(ModelRunner):
+    attn_backend: DecodeAttentionBackend  # stage 4's, with decodes batched (set in __init__)
+
     def __init__(
         self,
         model: CausalLM,
@@ -66,4 +68,6 @@ class GraphModelRunner(ModelRunner):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""
-        raise NotImplementedError("Stage 8: replay a graph when one can run the batch, else the eager pass - see stages/s08_cuda_graph/README.md#what-you-write")
+        raise NotImplementedError(
+            "Stage 8: replay a graph when one can run the batch, else the eager pass - see stages/s08_cuda_graph/README.md#what-you-write"
+        )

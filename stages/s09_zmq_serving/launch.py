@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from .detokenizer_manager import run_detokenizer_process
 from .io_struct import describe_error
@@ -115,7 +116,7 @@ class Launcher:
         self.server_args = server_args
         self.folder = tempfile.mkdtemp(prefix="engine-ipc-")
         self.ipc = IpcPaths.in_folder(self.folder)
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, mp.process.BaseProcess] = {}
         self.conns: dict[str, multiprocessing.connection.Connection] = {}
         self.errors: dict[str, str] = {}
         self.stopping = False
@@ -177,7 +178,7 @@ class Launcher:
             sentinels = {self.procs[n].sentinel: n for n in CHILDREN}
             ready = mp.connection.wait(list(sentinels))
             if not self.stopping:
-                on_death(self.exit_message(sentinels[ready[0]]))
+                on_death(self.exit_message(sentinels[cast(int, ready[0])]))  # wait() returns what it was given
 
         threading.Thread(target=watch, name="watch-children", daemon=True).start()
 

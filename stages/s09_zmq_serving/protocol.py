@@ -121,9 +121,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-def check_supported(request: _SamplingFields) -> None:
+def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject the fields that would change the result and that this server does not implement."""
-    unsupported = [
+    unsupported: list[tuple[str, object, str]] = [
         ("n", request.n not in (None, 1), "n > 1 (several choices per request) is not supported; send n=1 or leave it out"),
         ("logprobs", request.logprobs not in (None, False, 0), "logprobs are not supported by this server"),
         ("top_logprobs", request.top_logprobs not in (None, 0), "top_logprobs are not supported by this server"),
@@ -261,10 +261,11 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     prompt = request.prompt
     if isinstance(prompt, str):
         return prompt, None
-    if prompt and all(isinstance(p, int) for p in prompt):
-        if any(p < 0 for p in prompt):
+    ids = [p for p in prompt if isinstance(p, int)]
+    if prompt and len(ids) == len(prompt):
+        if any(p < 0 for p in ids):
             raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
-        return None, list(prompt)
+        return None, ids
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
     raise InvalidRequest("prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt")
@@ -274,7 +275,9 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
     """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
     it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
     (param = the API's field name) for a value that cannot be served."""
-    raise NotImplementedError("Stage 9: the request's SamplingParams from the OpenAI fields - see stages/s09_zmq_serving/README.md#what-you-write")
+    raise NotImplementedError(
+        "Stage 9: the request's SamplingParams from the OpenAI fields - see stages/s09_zmq_serving/README.md#what-you-write"
+    )
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.make_skeleton import BEGIN, MarkerError, skeleton_source
+from make_skeleton import BEGIN, MarkerError, skeleton_source
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATOR = REPO / "tools" / "make_skeleton.py"
@@ -227,3 +228,18 @@ def test_every_exercise_names_its_task_in_one_line_and_points_at_a_readme_sectio
         if "<summary>If you are stuck" not in readme:
             problems.append(f"solutions/{package}/README.md: no folded 'If you are stuck' recipe")
     assert not problems, "\n".join(problems)
+
+
+def test_a_generator_whose_yields_were_all_in_the_region_stays_a_generator():
+    source = textwrap.dedent('''\
+        async def chunks(outputs):
+            # BEGIN EXERCISE: one line per output [#chunks]
+            async for out in outputs:
+                yield out
+            # END EXERCISE
+        ''')
+    got = skeleton_source(source, "s09_x/m.py", 9, "s09_x")
+    assert got.splitlines()[-1] == "    yield  # keeps chunks a generator, as the solution is"
+    namespace: dict = {}
+    exec(compile(got, "m.py", "exec"), namespace)
+    assert inspect.isasyncgenfunction(namespace["chunks"]), "async for over it must reach the exercise's message"

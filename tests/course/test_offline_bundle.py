@@ -101,7 +101,8 @@ class FakePip:
     PEP 668 Python does, records every call."""
 
     def __init__(self, refusals: int):
-        self.refusals, self.calls = refusals, []
+        self.refusals = refusals
+        self.calls: list[list[str]] = []
 
     def __call__(self, cmd, **kwargs):
         self.calls.append(cmd)

@@ -28,9 +28,9 @@ QUESTION = "What is the capital of France?"
 
 
 def runner_pair(model, attention_backend: str = "torch", page_size: int = 1, max_bs: int = 8):
-    shape = dict(pool_size=2048, page_size=page_size, max_running_requests=16, max_context_len=512)
-    graph = GraphModelRunner(model, attention_backend=attention_backend, cuda_graph_max_bs=max_bs, **shape)
-    return graph, ModelRunner(model, attention_backend=attention_backend, **shape)
+    shape = (2048, page_size, 16, 512)  # pool_size, page_size, max_running_requests, max_context_len
+    graph = GraphModelRunner(model, *shape, attention_backend, cuda_graph_max_bs=max_bs)
+    return graph, ModelRunner(model, *shape, attention_backend)
 
 
 def drive(runner, prompts, sizes, tokens_from=None):

@@ -186,7 +186,7 @@ def logits_stream(steps: int, batch: int, vocab: int = 50, seed: int = 0) -> lis
 
 def run(reqs: list[Req], stream: list[torch.Tensor]) -> list[list[int]]:
     """Sample every step; returns the token sequence of each request."""
-    out = [[] for _ in reqs]
+    out: list[list[int]] = [[] for _ in reqs]
     for logits in stream:
         for i, token in enumerate(sample_tokens(logits, reqs)):
             out[i].append(token)

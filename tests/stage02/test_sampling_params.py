@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_impossible_value_raises_value_error(field, value, why):
         pytest.fail(f"SamplingParams({field}={value!r}) was accepted, but {why} is impossible: raise ValueError")
 
 
-GOOD = [
+GOOD: list[dict[str, Any]] = [
     dict(temperature=0.0),
     dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05),
     dict(top_k=1),

@@ -55,7 +55,7 @@ def test_one_batch_mixing_prefill_extend_and_decode(tiny_model_dir, page_size):
     for row, (what, sequence) in enumerate(cases):
         torch.testing.assert_close(
             logits[row], hf_last_logits(tiny_model_dir, sequence), atol=2e-4, rtol=1e-4,
-            msg=lambda m: f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}",
+            msg=lambda m, what=what: f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}",
         )
     table = engine.runner.req_to_token_pool.req_to_token
     owners = [table[r.req_pool_idx, : r.cached_len] for r in (a, b, c)]

@@ -139,7 +139,7 @@ def test_small_pool_retracts_the_half_prefilled_request_and_recovers(tiny_models
         retracted_mid_prefill = []
         original = engine.scheduler.retract_for_decode
 
-        def watch():
+        def watch(engine=engine, original=original, retracted_mid_prefill=retracted_mid_prefill):
             pending = engine.scheduler.chunked_req
             out = original()
             if pending is not None and pending in out:

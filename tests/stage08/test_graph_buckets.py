@@ -7,8 +7,8 @@ import pytest
 from graph_helpers import runners
 from reference import engine_model
 from s00_foundation.forward_batch import ForwardBatch
-from s08_cuda_graph.model_runner import GraphModelRunner
 from s08_cuda_graph.cuda_graph_runner import capture_bs_buckets, kv_len_buckets
+from s08_cuda_graph.model_runner import GraphModelRunner
 
 
 @pytest.mark.parametrize("max_bs, expected", [

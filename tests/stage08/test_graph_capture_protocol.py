@@ -31,7 +31,8 @@ from s08_cuda_graph import cuda_graph_runner as cgr
 
 class FakeStream:
     def __init__(self, name: str):
-        self.name, self.waited_for = name, []
+        self.name = name
+        self.waited_for: list[str] = []
 
     def wait_stream(self, other: "FakeStream") -> None:
         self.waited_for.append(other.name)

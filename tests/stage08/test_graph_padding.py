@@ -6,7 +6,6 @@ request's K/V and leaves every slot but the real rows' new ones untouched."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from graph_helpers import pool_bytes, prompts_of, run_pass, runners, start

@@ -29,6 +29,21 @@ from soak_serving import stream_problems
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
 
+TINY_FAMILY = "llama"
+# The tiny server: room for 40+ requests at once, a 1024-token context (the tiny models' own).
+TINY_ARGS = ["--pool-size", "4096", "--max-running-requests", "48"]
+DEFAULT_ARGS = ["--pool-size", "2048"]
+# A chat template that uses a message's name (the tiny models' own, plus " name" after the role).
+NAMED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The guarded server: every guard tight enough for a test to reach it quickly.
+GUARD_KEY = "sk-stage9-test"
+GUARD_LIMITS = dict(max_request_bytes=65536, max_running_requests=2, max_queued_requests=1, read_timeout=2,
+                    keep_alive_timeout=1, request_timeout=3, health_timeout=1, max_connections=16)
+GUARD_ARGS = ["--pool-size", "4096", *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()]]
+
 
 class Server:
     """A running server (``python -m s09_zmq_serving``) and its log, for the tests.

@@ -9,11 +9,10 @@ import json
 
 import pytest
 
-from conftest import TINY_FAMILY
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s09_zmq_serving.io_struct import BatchTokenIDOut, DebugFaultReq, ErrorOut, TokenizedGenerateReqInput
 from s09_zmq_serving.scheduler_process import SchedulerProcess
-from serving_helpers import assert_nothing_leaked, offline_engine, post, wait_idle
+from serving_helpers import TINY_FAMILY, assert_nothing_leaked, offline_engine, post, wait_idle
 
 PREFIX = list(b"You are a test. Answer: ")  # shared by the requests: the radix tree holds it
 

@@ -16,8 +16,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_FAMILY
-from serving_helpers import assert_nothing_leaked, wait_idle
+from serving_helpers import TINY_FAMILY, assert_nothing_leaked, wait_idle
 from soak_serving import answer_problems, hostile_request
 
 BUDGET_S = float(os.environ.get("FUZZ_BUDGET_S", "20"))

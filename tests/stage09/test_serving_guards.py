@@ -13,8 +13,7 @@ import pytest
 import requests
 from openai import AuthenticationError, OpenAI
 
-from conftest import GUARD_KEY, GUARD_LIMITS, TINY_FAMILY
-from serving_helpers import assert_nothing_leaked, post, wait_idle
+from serving_helpers import GUARD_KEY, GUARD_LIMITS, TINY_FAMILY, assert_nothing_leaked, post, wait_idle
 
 COMPLETIONS = "/v1/completions"
 GOOD = {"model": TINY_FAMILY, "prompt": "Hi", "max_tokens": 3, "temperature": 0}

@@ -10,8 +10,7 @@ import signal
 import pytest
 import requests
 
-from conftest import TINY_ARGS, TINY_FAMILY
-from serving_helpers import Server, assert_nothing_leaked, post, read_sse, wait_gone, wait_idle
+from serving_helpers import TINY_ARGS, TINY_FAMILY, Server, assert_nothing_leaked, post, read_sse, wait_gone, wait_idle
 
 
 def test_clients_that_disconnect_are_aborted_and_their_kv_freed(default_server):

@@ -9,7 +9,15 @@ from openai import OpenAI
 
 from reference import engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from serving_helpers import check_stream_shape, greedy, offline_engine, offline_outputs, post, read_sse, stream_concurrently
+from serving_helpers import (
+    check_stream_shape,
+    greedy,
+    offline_engine,
+    offline_outputs,
+    post,
+    read_sse,
+    stream_concurrently,
+)
 
 COMPLETION_PROMPTS = ["Hello", "héllo wörld ☃ 中文", "The quick brown fox jumps", "a\nb\n\nc"]
 
