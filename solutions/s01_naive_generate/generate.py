@@ -17,7 +17,8 @@ from s00_foundation.model import CausalLM
 
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
-    # BEGIN EXERCISE: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) [#what-you-write]
+    # BEGIN EXERCISE: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached)
+    # [#what-you-write]
     batch = ForwardBatch.build([list(token_ids)], prefix_lens=[0], attn_backend=NoCacheBackend(), device=model.device)
     return model(batch)[0]
     # END EXERCISE

@@ -39,7 +39,8 @@ def find_stop_str(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, s
     (longest stop - 1) characters before it: searching only that window keeps each step O(1)
     however long the text grows. (Stage 9's detokenizer runs the same search.)
     """
-    # BEGIN EXERCISE: find the stop string the new text completed, searching only a window [#when-a-request-stops-and-why]
+    # BEGIN EXERCISE: find the stop string the new text completed, searching only a window
+    # [#when-a-request-stops-and-why]
     if not stops or new_len == 0:
         return None
     start = max(0, len(text) - new_len - (max(map(len, stops)) - 1))

@@ -45,7 +45,8 @@ class KVCacheBackend(AttentionBackend):
                     "call cache.reserve(seq_len) before the forward pass"
                 )
             end = start + (seq_len - prefix_len)
-            # BEGIN EXERCISE: store this request's new K/V in its cache, then attend over the whole cache [#what-you-write]
+            # BEGIN EXERCISE: store this request's new K/V in its cache, then attend over the whole cache
+            # [#what-you-write]
             cache.k[layer_id, prefix_len:seq_len] = k[start:end]
             cache.v[layer_id, prefix_len:seq_len] = v[start:end]
             outputs.append(causal_attention(q[start:end], cache.k[layer_id, :seq_len], cache.v[layer_id, :seq_len]))

@@ -67,7 +67,8 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
         last_locs = [0] * len(rows)
     else:
         last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
-    # BEGIN EXERCISE: allocate the new positions' slots, record them in the table, build the ForwardBatch [#what-you-write]
+    # BEGIN EXERCISE: allocate the new positions' slots, record them in the table, build the ForwardBatch
+    # [#what-you-write]
     out_cache_loc = (alloc_slots or runner.allocator.alloc_extend)(prefix_lens, seq_lens, last_locs)
     start = 0
     for row, prefix_len, seq_len in zip(rows, prefix_lens, seq_lens):
@@ -219,7 +220,12 @@ def generate_static_batch(
     if len(limits) != len(prompts_ids):
         raise ValueError(f"{len(prompts_ids)} prompts but {len(limits)} max_new_tokens values")
     reqs = [
-        Req(rid=i, origin_input_ids=ids, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n), eos_token_ids=eos_token_ids)
+        Req(
+            rid=i,
+            origin_input_ids=ids,
+            sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n),
+            eos_token_ids=eos_token_ids,
+        )
         for i, (ids, n) in enumerate(zip(prompts_ids, limits))
     ]
     engine = StaticBatchEngine(

@@ -73,7 +73,9 @@ class PagedAttentionBackend(AttentionBackend):
         if batch.req_pool_indices is None or batch.out_cache_loc is None:
             raise ValueError("a paged forward batch needs req_pool_indices and out_cache_loc")
         if len(batch.out_cache_loc) != len(batch.input_ids):
-            raise ValueError(f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens")
+            raise ValueError(
+                f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens"
+            )
         device = batch.input_ids.device
         rows = batch.req_pool_indices.tolist()
         # BEGIN EXERCISE: the batch's qo_indptr, kv_indptr and kv_indices [#what-you-write]
@@ -101,11 +103,13 @@ class PagedAttentionBackend(AttentionBackend):
         values = pool.get_value_buffer(layer_id).index_select(0, meta.kv_indices)
         outputs, q_start, kv_start = [], 0, 0
         for extend_len, seq_len in zip(batch.extend_lens, batch.seq_lens):
-            outputs.append(causal_attention(
-                q[q_start : q_start + extend_len],
-                keys[kv_start : kv_start + seq_len],
-                values[kv_start : kv_start + seq_len],
-            ))
+            outputs.append(
+                causal_attention(
+                    q[q_start : q_start + extend_len],
+                    keys[kv_start : kv_start + seq_len],
+                    values[kv_start : kv_start + seq_len],
+                )
+            )
             q_start, kv_start = q_start + extend_len, kv_start + seq_len
         return torch.cat(outputs, dim=0)
         # END EXERCISE

@@ -82,8 +82,15 @@ def request_output(req: Req) -> RequestOutput:
 
 def rejected_output(prompt_tokens: int, params: SamplingParams, error: Exception) -> RequestOutput:
     return RequestOutput(
-        text="", output_ids=[], finish_reason=FinishReason("abort"), prompt_tokens=prompt_tokens, output_tokens=0,
-        seed=params.seed, ttft=None, latency=None, error=str(error),
+        text="",
+        output_ids=[],
+        finish_reason=FinishReason("abort"),
+        prompt_tokens=prompt_tokens,
+        output_tokens=0,
+        seed=params.seed,
+        ttft=None,
+        latency=None,
+        error=str(error),
     )
 
 
@@ -134,7 +141,9 @@ class ContinuousBatchingEngine:
         if pool_size is None:
             context = max_context_len or model.config.max_position_embeddings
             pool_size = default_pool_size(model, config.page_size, config.max_running_requests, context)
-        self.runner = self.make_runner(pool_size, max_context_len or min(model.config.max_position_embeddings, pool_size))
+        self.runner = self.make_runner(
+            pool_size, max_context_len or min(model.config.max_position_embeddings, pool_size)
+        )
         self.scheduler = self.make_scheduler()
         self._next_rid = 0
 
@@ -153,7 +162,9 @@ class ContinuousBatchingEngine:
     def make_runner(self, pool_size: int, max_context_len: int) -> ModelRunner:
         """The ModelRunner over ``self.model`` (stage 8 returns one that replays CUDA graphs)."""
         c = self.config
-        return ModelRunner(self.model, pool_size, c.page_size, c.max_running_requests, max_context_len, c.attention_backend)
+        return ModelRunner(
+            self.model, pool_size, c.page_size, c.max_running_requests, max_context_len, c.attention_backend
+        )
 
     def scheduler_options(self) -> dict[str, Any]:
         """The Scheduler's knobs from the config (every stage's scheduler takes them)."""
@@ -167,19 +178,25 @@ class ContinuousBatchingEngine:
 
     # --- the step API -----------------------------------------------------------------------------
 
-    def make_req(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None) -> Req:
+    def make_req(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None
+    ) -> Req:
         """A ``Req`` for ``prompt`` (text, chat messages or token ids); rid defaults to a counter."""
         if rid is None:
             rid, self._next_rid = self._next_rid, self._next_rid + 1
         if self.tokenizer is None:
             if isinstance(prompt, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError(f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}")
+                raise ValueError(
+                    f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}"
+                )
             ids, eos = cast(list[int], list(prompt)), self.model.config.eos_token_ids  # ints, as just checked
         else:
             ids, eos = encode(self.tokenizer, prompt), None  # None: the tokenizer's EOS ids
         return Req(rid, ids, sampling_params or SamplingParams(), tokenizer=self.tokenizer, eos_token_ids=eos)
 
-    def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None) -> Req:
+    def add_request(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None
+    ) -> Req:
         """Queue one request; raises ValueError if it is malformed or could never be served."""
         req = self.make_req(prompt, sampling_params, rid)
         self.scheduler.add_request(req)
@@ -216,7 +233,9 @@ class ContinuousBatchingEngine:
         tokens, and ``error`` says why. Every other request runs as if it were alone.
         """
         if self.has_work:
-            raise RuntimeError("generate() needs an idle engine, but requests added with add_request are still in flight")
+            raise RuntimeError(
+                "generate() needs an idle engine, but requests added with add_request are still in flight"
+            )
         entries: list[Req | RequestOutput] = []  # in the prompts' order, whatever order they finish in
         for prompt, params in pair_prompts_with_params(prompts, sampling_params):
             req = None

@@ -121,22 +121,30 @@ class Scheduler:
         context = self.runner.model.config.max_position_embeddings
         pool, table_width = self.runner.allocator.size, self.runner.req_to_token_pool.max_context_len
         if prompt > context:
-            raise ValueError(f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens")
+            raise ValueError(
+                f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens"
+            )
         if longest > context:
             raise ValueError(
-                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} positions, "
+                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} "
+                "positions, "
                 f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}"
             )
         needed = pages_for(longest, self.page_size) * self.page_size
         if needed > pool:
-            what = f"its prompt alone ({prompt} tokens)" if prompt > pool else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            what = (
+                f"its prompt alone ({prompt} tokens)"
+                if prompt > pool
+                else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            )
             raise ValueError(
                 f"request {req.rid}: {what} needs up to {needed} KV slots, but the whole KV pool has {pool}; "
                 "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens"
             )
         if longest > table_width:
             raise ValueError(
-                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per request "
+                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per "
+                "request "
                 "(max_context_len); raise max_context_len or lower max_new_tokens"
             )
 
@@ -248,7 +256,8 @@ class Scheduler:
         most recently admitted ones (to the front of the waiting queue) until it can.
         Returns the retracted requests, newest first."""
         retracted: list[Req] = []
-        # BEGIN EXERCISE: retract the newest running requests to the front of the queue until the pass fits [#retraction-when-the-pool-runs-dry]
+        # BEGIN EXERCISE: retract the newest running requests to the front of the queue until the pass fits
+        # [#retraction-when-the-pool-runs-dry]
         while len(self.running) > 1 and self.next_pass_slots(self.running) > self.available_slots():
             req = self.running.pop()
             self.release_req(req, "retracted")
@@ -283,7 +292,8 @@ class Scheduler:
         admitted: list[Req] = list(scheduled)
         reserved = self.reserved_slots([*self.running, *scheduled])
         budget = self.max_prefill_tokens if budget is None else budget
-        # BEGIN EXERCISE: admit waiting requests in order under the three budgets [#admission-three-budgets-and-the-room-in-the-pool]
+        # BEGIN EXERCISE: admit waiting requests in order under the three budgets
+        # [#admission-three-budgets-and-the-room-in-the-pool]
         while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             req = self.waiting[0]
             # At least the last token is computed: its logits give the next token.
@@ -292,7 +302,9 @@ class Scheduler:
             if admitted and extend_len > budget:
                 break
             end = match.cached_len + extend_len
-            prefill_slots = (pages_for(end, self.page_size) - pages_for(match.cached_len, self.page_size)) * self.page_size
+            prefill_slots = (
+                pages_for(end, self.page_size) - pages_for(match.cached_len, self.page_size)
+            ) * self.page_size
             need = prefill_slots + self.future_slots(req)
             # Its own matched prefix is not room it could evict for itself (stage 6's cache holds
             # slots; NoPrefixCache's lock is a no-op): count the room while the match is locked.
@@ -333,10 +345,14 @@ class Scheduler:
     def check_room_after_retraction(self) -> None:
         """After retract_for_decode: the running requests' next pass must fit, or nothing can run."""
         if self.running and self.next_pass_slots(self.running) > self.available_slots():
-            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
-                   else "retract_for_decode must retract until the others fit")
+            why = (
+                "something else holds the pool (a leak?), and retracting cannot help"
+                if len(self.running) == 1
+                else "retract_for_decode must retract until the others fit"
+            )
             raise RuntimeError(
-                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
+                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass "
+                "needs "
                 f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
                 f"{self.runner.allocator.size} are free: {why}"
             )
@@ -357,8 +373,10 @@ class Scheduler:
         if not self.running and not admitted:
             head = self.waiting[0]
             raise RuntimeError(
-                f"nothing can run: request {head.rid} is first in line and its prefill needs {slots_to_extend(head, self.page_size)} "
-                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running will free more"
+                f"nothing can run: request {head.rid} is first in line and its prefill needs "
+                f"{slots_to_extend(head, self.page_size)} "
+                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running "
+                "will free more"
             )
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
@@ -382,14 +400,22 @@ class Scheduler:
         stats.prefill_tokens += prefill_tokens
         stats.decode_tokens += len(batch.decode_reqs)
         if self.on_step is not None:
-            self.on_step(StepTrace(
-                step=stats.steps, start=start, end=now,
-                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=prefill_tokens,
-                decode_rids=[req.rid for req in batch.decode_reqs],
-                running=len(self.running), waiting=len(self.waiting),
-                free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
-                retracted_rids=[req.rid for req in retracted], finished_rids=[req.rid for req in finished],
-            ))
+            self.on_step(
+                StepTrace(
+                    step=stats.steps,
+                    start=start,
+                    end=now,
+                    prefill_rids=[req.rid for req in batch.prefill_reqs],
+                    prefill_tokens=prefill_tokens,
+                    decode_rids=[req.rid for req in batch.decode_reqs],
+                    running=len(self.running),
+                    waiting=len(self.waiting),
+                    free_slots=self.runner.allocator.available_size(),
+                    pool_size=self.runner.allocator.size,
+                    retracted_rids=[req.rid for req in retracted],
+                    finished_rids=[req.rid for req in finished],
+                )
+            )
         return outputs
 
     # --- checking ---------------------------------------------------------------------------------
@@ -422,13 +448,16 @@ class Scheduler:
         for req in self.waiting:
             if req.req_pool_idx is not None or req.cached_len:
                 problems.append(
-                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, cached_len={req.cached_len}); "
+                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, "
+                    f"cached_len={req.cached_len}); "
                     "a retracted request must give its slots and row back"
                 )
         rows = [req.req_pool_idx for req in holders if req.req_pool_idx is not None]
         if sorted(rows + pool.free_slots) != list(range(pool.size)):
-            problems.append(f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
-                            f"together they should be 0..{pool.size - 1}, each once")
+            problems.append(
+                f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
+                f"together they should be 0..{pool.size - 1}, each once"
+            )
         cached = self.prefix_cache.cached_slots()
         owners.append(cached)
         names.append("the prefix cache")
@@ -441,7 +470,10 @@ class Scheduler:
             cached_pages = len(torch.unique(cached.reshape(-1) // self.page_size))
             held = allocator.size - allocator.available_size()
             if held != cached_pages * self.page_size:
-                problems.append(f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
-                                f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its slots")
+                problems.append(
+                    f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
+                    f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its "
+                    "slots"
+                )
         if problems:
             raise AssertionError("scheduler invariants broken:\n  " + "\n  ".join(problems))

@@ -43,7 +43,9 @@ from s05_continuous_batching.prefix_cache import PrefixMatch
 
 
 class TreeNode:
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0):
+    def __init__(
+        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0
+    ):
         self.key = key  # the token ids of the edge from the parent to this node
         self.value = value  # int64 [len(key)]: the slot holding each token's K/V
         self.parent = parent
@@ -95,7 +97,9 @@ class RadixCache:
         The new node takes the first part of the key and slots, the lock count and access time of
         ``child`` (the same requests read it), so the evictable and protected sizes do not change.
         """
-        new = TreeNode(next(self._node_ids), child.key[:split_len], child.value[:split_len], child.parent, child.last_access_time)
+        new = TreeNode(
+            next(self._node_ids), child.key[:split_len], child.value[:split_len], child.parent, child.last_access_time
+        )
         new.lock_ref = child.lock_ref
         new.children = {self._child_key(child.key[split_len:]): child}
         new.parent.children[self._child_key(new.key)] = new
@@ -111,7 +115,8 @@ class RadixCache:
         Every node on the path counts as just used."""
         key = list(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
-        # BEGIN EXERCISE: the longest cached prefix of a key, splitting an edge it leaves in the middle [#what-you-write]
+        # BEGIN EXERCISE: the longest cached prefix of a key, splitting an edge it leaves in the middle
+        # [#what-you-write]
         node, values = self.root, []
         self._touch(node)
         while key and self._child_key(key) in node.children:
@@ -135,8 +140,10 @@ class RadixCache:
         (evictable, since nobody locks it yet)."""
         key = list(token_ids)
         if len(key) % self.page_size or len(slots) != len(key):
-            raise ValueError(f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
-                             f"got {len(key)} tokens and {len(slots)} slots")
+            raise ValueError(
+                f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
+                f"got {len(key)} tokens and {len(slots)} slots"
+            )
         # BEGIN EXERCISE: insert a key with its slots; return how much of it was already there [#what-you-write]
         node, present = self.root, 0
         self._touch(node)
@@ -181,7 +188,9 @@ class RadixCache:
         nothing: a negative count would let eviction free slots that a running request reads."""
         self._update_lock(match.node, -1)
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool) -> None:
+    def cache_finished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool
+    ) -> None:
         """A request leaves. With ``insert`` its whole pages go into the tree; slots of tokens the
         tree already held (its own match, or what another request inserted meanwhile) are
         duplicates: those the request allocated itself are freed, as is its last partial page.
@@ -268,8 +277,10 @@ class RadixCache:
             else:
                 evictable += len(node.key)
         if (evictable, protected) != (self.evictable_size_, self.protected_size_):
-            problems.append(f"sizes: the nodes hold {evictable} evictable and {protected} protected tokens, the counters "
-                            f"say {self.evictable_size_} and {self.protected_size_}")
+            problems.append(
+                f"sizes: the nodes hold {evictable} evictable and {protected} protected tokens, the counters "
+                f"say {self.evictable_size_} and {self.protected_size_}"
+            )
         slots = self.cached_slots()
         if len(torch.unique(slots)) != len(slots):
             problems.append("a slot is held by the tree more than once")
@@ -288,7 +299,9 @@ class RadixCache:
             text = text if len(text) <= max_chars else text[: max_chars - 3] + "..."
             return f"[{len(node.key)} tok, lock {node.lock_ref}] {text!r}"
 
-        lines = [f"root ({self.total_size()} tokens cached, {self.evictable_size_} evictable, {self.protected_size_} locked)"]
+        lines = [
+            f"root ({self.total_size()} tokens cached, {self.evictable_size_} evictable, {self.protected_size_} locked)"
+        ]
 
         def draw(node: TreeNode, indent: str) -> None:
             children = sorted(node.children.values(), key=lambda c: c.id)

@@ -29,7 +29,9 @@ class RadixSchedulerStats(SchedulerStats):
 
 
 class RadixScheduler(Scheduler):
-    keep_kv_of: frozenset[LeaveReason] = frozenset({"finished", "retracted", "aborted"})  # the module docstring says why
+    keep_kv_of: frozenset[LeaveReason] = frozenset(
+        {"finished", "retracted", "aborted"}
+    )  # the module docstring says why
     stats: RadixSchedulerStats
 
     def __init__(self, runner, prefix_cache, schedule_policy: str = "lpm", **knobs):

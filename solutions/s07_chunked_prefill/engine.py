@@ -45,8 +45,11 @@ class ChunkedPrefillEngine(RadixEngine):
     def make_scheduler(self) -> ChunkedPrefillScheduler:
         c = self.config
         return ChunkedPrefillScheduler(
-            self.runner, self.make_prefix_cache(), chunked_prefill_size=c.chunked_prefill_size,
-            schedule_policy=c.schedule_policy, **self.scheduler_options(),
+            self.runner,
+            self.make_prefix_cache(),
+            chunked_prefill_size=c.chunked_prefill_size,
+            schedule_policy=c.schedule_policy,
+            **self.scheduler_options(),
         )
 
 

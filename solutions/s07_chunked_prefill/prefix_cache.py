@@ -28,7 +28,9 @@ from s06_radix_cache.radix_cache import RadixCache
 class ChunkedPrefixCache(PrefixCache, Protocol):
     """Stage 5's protocol plus the call after each chunk (the module docstring)."""
 
-    def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch: ...
+    def cache_unfinished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch
+    ) -> PrefixMatch: ...
 
 
 class ChunkCache(NoPrefixCache):
@@ -47,7 +49,8 @@ class ChunkedRadixCache(RadixCache):
         covers the inserted prefix, is locked, and replaces ``match`` (unlocked)."""
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_unfinished_req got {len(token_ids)} tokens but {len(slots)} slots")
-        # BEGIN EXERCISE: insert a half-prefilled request's chunks and hand it the tree's copy [#the-half-prefilled-request-chunked_req]
+        # BEGIN EXERCISE: insert a half-prefilled request's chunks and hand it the tree's copy
+        # [#the-half-prefilled-request-chunked_req]
         aligned = len(token_ids) // self.page_size * self.page_size
         present = self.insert(token_ids[:aligned], slots[:aligned])
         assert present >= match.cached_len, f"the tree lost a locked prefix ({present} < {match.cached_len} tokens)"

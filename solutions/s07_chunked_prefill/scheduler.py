@@ -55,7 +55,10 @@ class ChunkedPrefillScheduler(RadixScheduler):
         ``prefix_cache`` must offer ``cache_unfinished_req`` (see prefix_cache.py); ``knobs``:
         stage 6's (schedule_policy, max_prefill_tokens, new_token_ratio, on_step, clock)."""
         if chunked_prefill_size is not None and chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be a positive number of tokens or None (no chunking), got {chunked_prefill_size}")
+            raise ValueError(
+                "chunked_prefill_size must be a positive number of tokens or None (no chunking), got "
+                f"{chunked_prefill_size}"
+            )
         super().__init__(runner, prefix_cache, **knobs)
         self.chunked_prefill_size = chunked_prefill_size
         self.chunked_req: Req | None = None  # the request whose prefill is half done, between steps
@@ -83,7 +86,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
         rest = self.prefill_len(req, req.cached_len, budget)
         room = self.available_slots() - self.reserved_slots(self.running)
         # Whole pages: the chunk first fills the request's last page, then takes new ones.
-        room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
+        room_tokens = (
+            pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size
+        ) * self.page_size - req.cached_len
         return max(0, min(rest, room_tokens))
 
     def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
@@ -92,7 +97,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
         ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []
-        # BEGIN EXERCISE: the half-prefilled request's next chunk first, then stage 5's admission [#the-half-prefilled-request-chunked_req]
+        # BEGIN EXERCISE: the half-prefilled request's next chunk first, then stage 5's admission
+        # [#the-half-prefilled-request-chunked_req]
         req = self.chunked_req
         if req is not None:
             chunk = self.next_chunk_len(req, budget)
@@ -121,7 +127,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """A request whose prefill is still pending stores its chunk and waits for its next one
         (never sampled); everyone else goes through stage 5's processing, with its own logits row."""
-        # BEGIN EXERCISE: park the requests whose prefill is pending; sample the others [#the-half-prefilled-request-chunked_req]
+        # BEGIN EXERCISE: park the requests whose prefill is pending; sample the others
+        # [#the-half-prefilled-request-chunked_req]
         pending = [i for i, req in enumerate(batch.reqs) if prefill_pending(req)]
         for i in pending:
             req = batch.reqs[i]
@@ -131,7 +138,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
             self.chunked_req = req
         rest = [i for i in range(len(batch.reqs)) if i not in pending]
         others = ScheduleBatch(
-            self.runner, self.prefix_cache, decode_reqs=batch.decode_reqs,
+            self.runner,
+            self.prefix_cache,
+            decode_reqs=batch.decode_reqs,
             prefill_reqs=[req for req in batch.prefill_reqs if not prefill_pending(req)],
         )
         return super().process_batch_result(others, logits[rest])

@@ -128,11 +128,16 @@ class CudaGraphRunner:
         return [(bs, kv_len) for bs in reversed(self.capture_bs) for kv_len in reversed(self.capture_kv_lens)]
 
     def describe(self) -> str:
-        what = (f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
-                f"{self.capture_kv_lens[0]}..{self.max_kv_len})")
+        what = (
+            f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
+            f"{self.capture_kv_lens[0]}..{self.max_kv_len})"
+        )
         if not self.use_cuda_graph:
             return f"{what}, run eagerly (no CUDA here: nothing to capture)"
-        return f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, {self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        return (
+            f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, "
+            f"{self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        )
 
     # --- which batches, which bucket --------------------------------------------------------------
 
@@ -140,8 +145,11 @@ class CudaGraphRunner:
         """True for a decode batch (one new token per request) of at most max_bs requests, none
         longer than max_kv_len tokens."""
         # BEGIN EXERCISE: can a graph run this batch? [#what-you-write]
-        return (forward_batch.forward_mode is ForwardMode.DECODE and forward_batch.num_reqs <= self.max_bs
-                and max(forward_batch.seq_lens) <= self.max_kv_len)
+        return (
+            forward_batch.forward_mode is ForwardMode.DECODE
+            and forward_batch.num_reqs <= self.max_bs
+            and max(forward_batch.seq_lens) <= self.max_kv_len
+        )
         # END EXERCISE
 
     def bucket_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
@@ -150,7 +158,9 @@ class CudaGraphRunner:
         if not 1 <= num_reqs <= self.max_bs:
             raise ValueError(f"{num_reqs} requests: graph buckets hold 1..{self.max_bs} (larger decodes run eagerly)")
         if not 1 <= max_seq_len <= self.max_kv_len:
-            raise ValueError(f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)")
+            raise ValueError(
+                f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)"
+            )
         # BEGIN EXERCISE: the smallest bucket that holds the batch [#what-you-write]
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, num_reqs)]
         kv_len = self.capture_kv_lens[bisect.bisect_left(self.capture_kv_lens, max_seq_len)]
@@ -172,7 +182,8 @@ class CudaGraphRunner:
                 raise
             except Exception as error:
                 raise RuntimeError(
-                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): {type(error).__name__}: {error}. "
+                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): "
+                    f"{type(error).__name__}: {error}. "
                     "Run without graphs (--disable-cuda-graph, Engine(disable_cuda_graph=True)) or with fewer buckets "
                     "(--cuda-graph-max-bs, --cuda-graph-max-kv-len)."
                 ) from error

@@ -67,7 +67,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         self.decode_metadata: DecodeMetadata | None = None  # this pass's decode rows (eager or a bucket)
         self.extend_batch: ForwardBatch | None = None  # a MIXED pass's extend rows, for stage 4's path
         self.bucket_metadata: dict[tuple[int, int], DecodeMetadata] = {}
-        self.key_positions = torch.arange(req_to_token_pool.max_context_len, device=req_to_token_pool.req_to_token.device)
+        self.key_positions = torch.arange(
+            req_to_token_pool.max_context_len, device=req_to_token_pool.req_to_token.device
+        )
 
     # --- the metadata ---------------------------------------------------------------------------
 
@@ -95,7 +97,8 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         # A decode token sits at position seq_len - 1: the lengths come from the device, no copy.
         seq_lens = (batch.positions[:d] + 1).to(torch.int32)
         self.decode_metadata = DecodeMetadata(
-            torch.empty((d, kv_len), dtype=torch.int64, device=device), torch.empty((d, kv_len), dtype=torch.bool, device=device),
+            torch.empty((d, kv_len), dtype=torch.int64, device=device),
+            torch.empty((d, kv_len), dtype=torch.bool, device=device),
             seq_lens,
         )
         self.fill_decode_metadata(self.decode_metadata, batch.req_pool_indices[:d])
@@ -103,8 +106,13 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         if mode is ForwardMode.MIXED:
             t = d  # the decode rows' tokens come first, one each
             self.extend_batch = replace(
-                batch, input_ids=batch.input_ids[t:], positions=batch.positions[t:], extend_lens=batch.extend_lens[d:],
-                seq_lens=batch.seq_lens[d:], req_pool_indices=batch.req_pool_indices[d:], out_cache_loc=batch.out_cache_loc[t:],
+                batch,
+                input_ids=batch.input_ids[t:],
+                positions=batch.positions[t:],
+                extend_lens=batch.extend_lens[d:],
+                seq_lens=batch.seq_lens[d:],
+                req_pool_indices=batch.req_pool_indices[d:],
+                out_cache_loc=batch.out_cache_loc[t:],
                 forward_mode=ForwardMode.EXTEND,
             )
             super().init_forward_metadata(self.extend_batch)
@@ -120,7 +128,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         """Give bucket (bs, kv_len) its views (``seq_lens``: the runner's static [bs] lengths);
         the graph captured next reads exactly these tensors."""
         n = bs * kv_len
-        meta = DecodeMetadata(self.cuda_graph_kv_indices[:n].view(bs, kv_len), self.cuda_graph_key_mask[:n].view(bs, kv_len), seq_lens)
+        meta = DecodeMetadata(
+            self.cuda_graph_kv_indices[:n].view(bs, kv_len), self.cuda_graph_key_mask[:n].view(bs, kv_len), seq_lens
+        )
         self.bucket_metadata[bs, kv_len] = meta
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, kv_len: int, req_pool_indices: torch.Tensor) -> None:
@@ -137,7 +147,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
             return super().forward(q, k, v, layer_id, batch)
         meta = self.decode_metadata
         if meta is None:
-            raise RuntimeError(f"a {mode.value} batch but no decode metadata: call init_forward_metadata(batch) before model(batch)")
+            raise RuntimeError(
+                f"a {mode.value} batch but no decode metadata: call init_forward_metadata(batch) before model(batch)"
+            )
         d = meta.kv_indices.shape[0]
         decoded = self.forward_decode(q[:d], k[:d], v[:d], layer_id, batch.out_cache_loc[:d], meta)
         if mode is ForwardMode.DECODE:
@@ -153,8 +165,14 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         rows = self.decode_rows_per_call(bs, kv_len, k)
         if rows >= bs:
             return self.attend_decode(q, layer_id, meta.kv_indices, meta.key_mask)
-        return torch.cat([self.attend_decode(q[i : i + rows], layer_id, meta.kv_indices[i : i + rows], meta.key_mask[i : i + rows])
-                          for i in range(0, bs, rows)])
+        return torch.cat(
+            [
+                self.attend_decode(
+                    q[i : i + rows], layer_id, meta.kv_indices[i : i + rows], meta.key_mask[i : i + rows]
+                )
+                for i in range(0, bs, rows)
+            ]
+        )
 
     def decode_rows_per_call(self, bs: int, kv_len: int, k: torch.Tensor) -> int:
         """All rows in one call on a GPU. On a CPU, as many rows as keep their gathered K and V
@@ -195,7 +213,9 @@ class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend)
 
     def __init__(self, req_to_token_pool, token_to_kv_pool):
         if flash_attn_with_kvcache is None:
-            raise RuntimeError('flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend')
+            raise RuntimeError(
+                'flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend'
+            )
         super().__init__(req_to_token_pool, token_to_kv_pool)
         self.paged = token_to_kv_pool.page_size % BLOCK_TABLE_PAGE_MULTIPLE == 0
 
@@ -220,5 +240,7 @@ class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend)
             keys = k_buffer.index_select(0, flat).view(bs, kv_len, *k_buffer.shape[1:])
             values = v_buffer.index_select(0, flat).view(bs, kv_len, *v_buffer.shape[1:])
             extra = {}
-        out = flash_attn_with_kvcache(q[:, None].contiguous(), keys, values, cache_seqlens=meta.seq_lens, causal=True, **extra)
+        out = flash_attn_with_kvcache(
+            q[:, None].contiguous(), keys, values, cache_seqlens=meta.seq_lens, causal=True, **extra
+        )
         return out[:, 0]

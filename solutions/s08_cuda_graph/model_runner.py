@@ -55,7 +55,11 @@ class GraphModelRunner(ModelRunner):
         self.forward_paths: Counter[str] = Counter()
         self.last_forward_path: str | None = None
         # Stage 4's backend, with decodes batched: one attention call per layer, eager or replayed.
-        backend = DecodeFlashAttentionBackend if isinstance(self.attn_backend, FlashAttentionBackend) else DecodeAttentionBackend
+        backend = (
+            DecodeFlashAttentionBackend
+            if isinstance(self.attn_backend, FlashAttentionBackend)
+            else DecodeAttentionBackend
+        )
         self.attn_backend = backend(self.req_to_token_pool, self.token_to_kv_pool)
         if enable_torch_compile:
             compile_model(model)
@@ -63,7 +67,9 @@ class GraphModelRunner(ModelRunner):
         if disable_cuda_graph:
             return
         dummy_row = reserve_dummy_row(self.req_to_token_pool)
-        max_bs = cuda_graph_max_bs if cuda_graph_max_bs is not None else min(max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
+        max_bs = (
+            cuda_graph_max_bs if cuda_graph_max_bs is not None else min(max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
+        )
         self.cuda_graph_runner = CudaGraphRunner(self, max_bs, cuda_graph_max_kv_len, dummy_row)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

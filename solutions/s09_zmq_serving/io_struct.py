@@ -25,6 +25,7 @@ from s02_request_and_sampling.sampling_params import SamplingParams
 
 # --- API server -> tokenizer worker -> scheduler -------------------------------------------------
 
+
 @dataclass
 class GenerateReqInput:
     """One request as the API server understood it: exactly one of ``messages`` (chat, through
@@ -78,6 +79,7 @@ class DebugFaultReq:
 
 
 # --- scheduler -> detokenizer -> API server ------------------------------------------------------
+
 
 @dataclass
 class BatchTokenIDOut:

@@ -18,7 +18,7 @@ from s00_foundation.model import CausalLM
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
     raise NotImplementedError(
-        "Stage 1: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) - see stages/s01_naive_generate/README.md#what-you-write"
+        "Stage 1: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) - see stages/s01_naive_generate/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
     )
 
 
@@ -34,5 +34,5 @@ def naive_generate(
     tokens = list(input_ids)  # noqa: F841
     new_tokens: list[int] = []  # noqa: F841
     raise NotImplementedError(
-        "Stage 1: the greedy loop: recompute, pick, append, stop - see stages/s01_naive_generate/README.md#what-you-write"
+        "Stage 1: the greedy loop: recompute, pick, append, stop - see stages/s01_naive_generate/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
     )

@@ -62,7 +62,9 @@ def pair_prompts_with_params(
         sampling_params = [sampling_params] * len(listed)
     sampling_params = list(sampling_params)
     if len(sampling_params) != len(listed):
-        raise ValueError(f"got {len(listed)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt")
+        raise ValueError(
+            f"got {len(listed)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt"
+        )
     return list(zip(listed, sampling_params))
 
 

@@ -40,7 +40,7 @@ def find_stop_str(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, s
     however long the text grows. (Stage 9's detokenizer runs the same search.)
     """
     raise NotImplementedError(
-        "Stage 2: find the stop string the new text completed, searching only a window - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why"
+        "Stage 2: find the stop string the new text completed, searching only a window - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why"  # noqa: E501 (one message, the learner's to read whole)
     )
 
 
@@ -148,7 +148,7 @@ class Req:
         if self.finished or not self.output_ids:
             return
         raise NotImplementedError(
-            "Stage 2: decide whether the request is done, and why - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why"
+            "Stage 2: decide whether the request is done, and why - see stages/s02_request_and_sampling/README.md#when-a-request-stops-and-why"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def abort(self) -> None:

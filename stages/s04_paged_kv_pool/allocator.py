@@ -60,7 +60,9 @@ class TokenToKVPoolAllocator:
         self.page_allocated[pages] = True
         return pages
 
-    def alloc_extend(self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
+    def alloc_extend(
+        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]
+    ) -> torch.Tensor:
         """Slots for positions [prefix_lens[i], seq_lens[i]) of every request, flattened in
         request order (the ``out_cache_loc`` of a forward pass).
 
@@ -70,7 +72,9 @@ class TokenToKVPoolAllocator:
         """
         p = self.page_size
         if not len(prefix_lens) == len(seq_lens) == len(last_locs):
-            raise ValueError(f"{len(prefix_lens)} prefix lengths, {len(seq_lens)} seq lengths, {len(last_locs)} last locations")
+            raise ValueError(
+                f"{len(prefix_lens)} prefix lengths, {len(seq_lens)} seq lengths, {len(last_locs)} last locations"
+            )
         for i, (prefix, seq, last) in enumerate(zip(prefix_lens, seq_lens, last_locs)):
             if not 0 <= prefix <= seq:
                 raise ValueError(f"request {i}: prefix length {prefix} and seq length {seq} need 0 <= prefix <= seq")
@@ -80,10 +84,11 @@ class TokenToKVPoolAllocator:
         if needed > len(self.free_pages):
             raise PoolExhaustedError(
                 f"KV pool: {needed} pages ({needed * p} slots) needed, {len(self.free_pages)} pages "
-                f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool bigger"
+                f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool "
+                "bigger"
             )
         raise NotImplementedError(
-            "Stage 4: give every request the slots of its new positions, filling its last page first - see stages/s04_paged_kv_pool/README.md#what-you-write"
+            "Stage 4: give every request the slots of its new positions, filling its last page first - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def free(self, slots: torch.Tensor) -> None:
@@ -104,7 +109,7 @@ class TokenToKVPoolAllocator:
             )
         pages = torch.unique(slots // p).tolist()  # noqa: F841
         raise NotImplementedError(
-            "Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write"
+            "Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def check_invariants(self, owners: Sequence[torch.Tensor] | None = None) -> None:

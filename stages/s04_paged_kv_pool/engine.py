@@ -68,7 +68,7 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
     else:
         last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()  # noqa: F841
     raise NotImplementedError(
-        "Stage 4: allocate the new positions' slots, record them in the table, build the ForwardBatch - see stages/s04_paged_kv_pool/README.md#what-you-write"
+        "Stage 4: allocate the new positions' slots, record them in the table, build the ForwardBatch - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
     )
 
 
@@ -130,7 +130,7 @@ class StaticBatchEngine:
         """Give a finished request's slots and table row back."""
         row = req.req_pool_idx  # noqa: F841
         raise NotImplementedError(
-            "Stage 4: free a finished request's slots and its table row - see stages/s04_paged_kv_pool/README.md#what-you-write"
+            "Stage 4: free a finished request's slots and its table row - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def step(self) -> list[Req]:
@@ -149,7 +149,7 @@ class StaticBatchEngine:
     def process_batch_result(self, logits: torch.Tensor) -> None:
         """After the pass: row i of ``logits`` belongs to ``self.running[i]``."""
         raise NotImplementedError(
-            "Stage 4: mark the pass cached, sample one token per request, append, check finished - see stages/s04_paged_kv_pool/README.md#what-you-write"
+            "Stage 4: mark the pass cached, sample one token per request, append, check finished - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def run(self, reqs: Sequence[Req]) -> None:
@@ -201,7 +201,12 @@ def generate_static_batch(
     if len(limits) != len(prompts_ids):
         raise ValueError(f"{len(prompts_ids)} prompts but {len(limits)} max_new_tokens values")
     reqs = [
-        Req(rid=i, origin_input_ids=ids, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n), eos_token_ids=eos_token_ids)
+        Req(
+            rid=i,
+            origin_input_ids=ids,
+            sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n),
+            eos_token_ids=eos_token_ids,
+        )
         for i, (ids, n) in enumerate(zip(prompts_ids, limits))
     ]
     engine = StaticBatchEngine(

@@ -73,11 +73,13 @@ class PagedAttentionBackend(AttentionBackend):
         if batch.req_pool_indices is None or batch.out_cache_loc is None:
             raise ValueError("a paged forward batch needs req_pool_indices and out_cache_loc")
         if len(batch.out_cache_loc) != len(batch.input_ids):
-            raise ValueError(f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens")
+            raise ValueError(
+                f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens"
+            )
         device = batch.input_ids.device  # noqa: F841
         rows = batch.req_pool_indices.tolist()  # noqa: F841
         raise NotImplementedError(
-            "Stage 4: the batch's qo_indptr, kv_indptr and kv_indices - see stages/s04_paged_kv_pool/README.md#what-you-write"
+            "Stage 4: the batch's qo_indptr, kv_indptr and kv_indices - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
@@ -92,5 +94,5 @@ class PagedAttentionBackend(AttentionBackend):
         meta = self.metadata_for(batch)  # noqa: F841
         pool = self.token_to_kv_pool  # noqa: F841
         raise NotImplementedError(
-            "Stage 4: write the new K/V into the pool, then attend each request over its own K/V - see stages/s04_paged_kv_pool/README.md#what-you-write"
+            "Stage 4: write the new K/V into the pool, then attend each request over its own K/V - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )

@@ -121,22 +121,30 @@ class Scheduler:
         context = self.runner.model.config.max_position_embeddings
         pool, table_width = self.runner.allocator.size, self.runner.req_to_token_pool.max_context_len
         if prompt > context:
-            raise ValueError(f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens")
+            raise ValueError(
+                f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens"
+            )
         if longest > context:
             raise ValueError(
-                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} positions, "
+                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} "
+                "positions, "
                 f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}"
             )
         needed = pages_for(longest, self.page_size) * self.page_size
         if needed > pool:
-            what = f"its prompt alone ({prompt} tokens)" if prompt > pool else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            what = (
+                f"its prompt alone ({prompt} tokens)"
+                if prompt > pool
+                else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            )
             raise ValueError(
                 f"request {req.rid}: {what} needs up to {needed} KV slots, but the whole KV pool has {pool}; "
                 "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens"
             )
         if longest > table_width:
             raise ValueError(
-                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per request "
+                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per "
+                "request "
                 "(max_context_len); raise max_context_len or lower max_new_tokens"
             )
 
@@ -233,7 +241,7 @@ class Scheduler:
         slot it does not keep; its table row is freed. Afterwards it holds nothing:
         req_pool_idx and prefix_match are None, cached_len is 0."""
         raise NotImplementedError(
-            "Stage 5: a leaving request gives its K/V to the prefix cache and its row back - see stages/s05_continuous_batching/README.md#what-you-write"
+            "Stage 5: a leaving request gives its K/V to the prefix cache and its row back - see stages/s05_continuous_batching/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     # --- one step ---------------------------------------------------------------------------------
@@ -244,7 +252,7 @@ class Scheduler:
         Returns the retracted requests, newest first."""
         retracted: list[Req] = []  # noqa: F841
         raise NotImplementedError(
-            "Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry"
+            "Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def order_waiting(self) -> None:
@@ -272,7 +280,7 @@ class Scheduler:
         reserved = self.reserved_slots([*self.running, *scheduled])  # noqa: F841
         budget = self.max_prefill_tokens if budget is None else budget
         raise NotImplementedError(
-            "Stage 5: admit waiting requests in order under the three budgets - see stages/s05_continuous_batching/README.md#admission-three-budgets-and-the-room-in-the-pool"
+            "Stage 5: admit waiting requests in order under the three budgets - see stages/s05_continuous_batching/README.md#admission-three-budgets-and-the-room-in-the-pool"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
@@ -282,16 +290,20 @@ class Scheduler:
         all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
         reqs = batch.reqs  # noqa: F841
         raise NotImplementedError(
-            "Stage 5: sample one token per request, retire the finished ones - see stages/s05_continuous_batching/README.md#what-you-write"
+            "Stage 5: sample one token per request, retire the finished ones - see stages/s05_continuous_batching/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def check_room_after_retraction(self) -> None:
         """After retract_for_decode: the running requests' next pass must fit, or nothing can run."""
         if self.running and self.next_pass_slots(self.running) > self.available_slots():
-            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
-                   else "retract_for_decode must retract until the others fit")
+            why = (
+                "something else holds the pool (a leak?), and retracting cannot help"
+                if len(self.running) == 1
+                else "retract_for_decode must retract until the others fit"
+            )
             raise RuntimeError(
-                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
+                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass "
+                "needs "
                 f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
                 f"{self.runner.allocator.size} are free: {why}"
             )
@@ -312,8 +324,10 @@ class Scheduler:
         if not self.running and not admitted:
             head = self.waiting[0]
             raise RuntimeError(
-                f"nothing can run: request {head.rid} is first in line and its prefill needs {slots_to_extend(head, self.page_size)} "
-                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running will free more"
+                f"nothing can run: request {head.rid} is first in line and its prefill needs "
+                f"{slots_to_extend(head, self.page_size)} "
+                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running "
+                "will free more"
             )
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
@@ -337,14 +351,22 @@ class Scheduler:
         stats.prefill_tokens += prefill_tokens
         stats.decode_tokens += len(batch.decode_reqs)
         if self.on_step is not None:
-            self.on_step(StepTrace(
-                step=stats.steps, start=start, end=now,
-                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=prefill_tokens,
-                decode_rids=[req.rid for req in batch.decode_reqs],
-                running=len(self.running), waiting=len(self.waiting),
-                free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
-                retracted_rids=[req.rid for req in retracted], finished_rids=[req.rid for req in finished],
-            ))
+            self.on_step(
+                StepTrace(
+                    step=stats.steps,
+                    start=start,
+                    end=now,
+                    prefill_rids=[req.rid for req in batch.prefill_reqs],
+                    prefill_tokens=prefill_tokens,
+                    decode_rids=[req.rid for req in batch.decode_reqs],
+                    running=len(self.running),
+                    waiting=len(self.waiting),
+                    free_slots=self.runner.allocator.available_size(),
+                    pool_size=self.runner.allocator.size,
+                    retracted_rids=[req.rid for req in retracted],
+                    finished_rids=[req.rid for req in finished],
+                )
+            )
         return outputs
 
     # --- checking ---------------------------------------------------------------------------------
@@ -377,13 +399,16 @@ class Scheduler:
         for req in self.waiting:
             if req.req_pool_idx is not None or req.cached_len:
                 problems.append(
-                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, cached_len={req.cached_len}); "
+                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, "
+                    f"cached_len={req.cached_len}); "
                     "a retracted request must give its slots and row back"
                 )
         rows = [req.req_pool_idx for req in holders if req.req_pool_idx is not None]
         if sorted(rows + pool.free_slots) != list(range(pool.size)):
-            problems.append(f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
-                            f"together they should be 0..{pool.size - 1}, each once")
+            problems.append(
+                f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
+                f"together they should be 0..{pool.size - 1}, each once"
+            )
         cached = self.prefix_cache.cached_slots()
         owners.append(cached)
         names.append("the prefix cache")
@@ -396,7 +421,10 @@ class Scheduler:
             cached_pages = len(torch.unique(cached.reshape(-1) // self.page_size))
             held = allocator.size - allocator.available_size()
             if held != cached_pages * self.page_size:
-                problems.append(f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
-                                f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its slots")
+                problems.append(
+                    f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
+                    f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its "
+                    "slots"
+                )
         if problems:
             raise AssertionError("scheduler invariants broken:\n  " + "\n  ".join(problems))

@@ -43,8 +43,12 @@ class RadixEngine(ContinuousBatchingEngine):
         return self.tree_cache or NoPrefixCache(allocator)
 
     def make_scheduler(self) -> RadixScheduler:
-        return RadixScheduler(self.runner, self.make_prefix_cache(), schedule_policy=self.config.schedule_policy,
-                              **self.scheduler_options())
+        return RadixScheduler(
+            self.runner,
+            self.make_prefix_cache(),
+            schedule_policy=self.config.schedule_policy,
+            **self.scheduler_options(),
+        )
 
 
 Engine = RadixEngine  # the stage's public name

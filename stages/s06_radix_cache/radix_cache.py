@@ -43,7 +43,9 @@ from s05_continuous_batching.prefix_cache import PrefixMatch
 
 
 class TreeNode:
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0):
+    def __init__(
+        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0
+    ):
         self.key = key  # the token ids of the edge from the parent to this node
         self.value = value  # int64 [len(key)]: the slot holding each token's K/V
         self.parent = parent
@@ -95,7 +97,9 @@ class RadixCache:
         The new node takes the first part of the key and slots, the lock count and access time of
         ``child`` (the same requests read it), so the evictable and protected sizes do not change.
         """
-        new = TreeNode(next(self._node_ids), child.key[:split_len], child.value[:split_len], child.parent, child.last_access_time)
+        new = TreeNode(
+            next(self._node_ids), child.key[:split_len], child.value[:split_len], child.parent, child.last_access_time
+        )
         new.lock_ref = child.lock_ref
         new.children = {self._child_key(child.key[split_len:]): child}
         new.parent.children[self._child_key(new.key)] = new
@@ -112,7 +116,7 @@ class RadixCache:
         key = list(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
         raise NotImplementedError(
-            "Stage 6: the longest cached prefix of a key, splitting an edge it leaves in the middle - see stages/s06_radix_cache/README.md#what-you-write"
+            "Stage 6: the longest cached prefix of a key, splitting an edge it leaves in the middle - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
@@ -122,10 +126,12 @@ class RadixCache:
         (evictable, since nobody locks it yet)."""
         key = list(token_ids)
         if len(key) % self.page_size or len(slots) != len(key):
-            raise ValueError(f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
-                             f"got {len(key)} tokens and {len(slots)} slots")
+            raise ValueError(
+                f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
+                f"got {len(key)} tokens and {len(slots)} slots"
+            )
         raise NotImplementedError(
-            "Stage 6: insert a key with its slots; return how much of it was already there - see stages/s06_radix_cache/README.md#what-you-write"
+            "Stage 6: insert a key with its slots; return how much of it was already there - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def _update_lock(self, node: TreeNode, delta: int) -> None:
@@ -133,7 +139,7 @@ class RadixCache:
         root aside); a node going from unlocked to locked moves its tokens from the evictable size
         to the protected size, and back."""
         raise NotImplementedError(
-            "Stage 6: lock or unlock the path from a node up to the root - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"
+            "Stage 6: lock or unlock the path from a node up to the root - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def lock(self, match: PrefixMatch) -> None:
@@ -144,7 +150,9 @@ class RadixCache:
         nothing: a negative count would let eviction free slots that a running request reads."""
         self._update_lock(match.node, -1)
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool) -> None:
+    def cache_finished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool
+    ) -> None:
         """A request leaves. With ``insert`` its whole pages go into the tree; slots of tokens the
         tree already held (its own match, or what another request inserted meanwhile) are
         duplicates: those the request allocated itself are freed, as is its last partial page.
@@ -152,7 +160,7 @@ class RadixCache:
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_finished_req got {len(token_ids)} tokens but {len(slots)} slots")
         raise NotImplementedError(
-            "Stage 6: a leaving request's K/V: into the tree, or freed - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"
+            "Stage 6: a leaving request's K/V: into the tree, or freed - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def evictable_size(self) -> int:
@@ -163,7 +171,7 @@ class RadixCache:
         ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed."""
         evicted = 0  # noqa: F841
         raise NotImplementedError(
-            "Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write"
+            "Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def cached_slots(self) -> torch.Tensor:
@@ -210,8 +218,10 @@ class RadixCache:
             else:
                 evictable += len(node.key)
         if (evictable, protected) != (self.evictable_size_, self.protected_size_):
-            problems.append(f"sizes: the nodes hold {evictable} evictable and {protected} protected tokens, the counters "
-                            f"say {self.evictable_size_} and {self.protected_size_}")
+            problems.append(
+                f"sizes: the nodes hold {evictable} evictable and {protected} protected tokens, the counters "
+                f"say {self.evictable_size_} and {self.protected_size_}"
+            )
         slots = self.cached_slots()
         if len(torch.unique(slots)) != len(slots):
             problems.append("a slot is held by the tree more than once")
@@ -230,7 +240,9 @@ class RadixCache:
             text = text if len(text) <= max_chars else text[: max_chars - 3] + "..."
             return f"[{len(node.key)} tok, lock {node.lock_ref}] {text!r}"
 
-        lines = [f"root ({self.total_size()} tokens cached, {self.evictable_size_} evictable, {self.protected_size_} locked)"]
+        lines = [
+            f"root ({self.total_size()} tokens cached, {self.evictable_size_} evictable, {self.protected_size_} locked)"
+        ]
 
         def draw(node: TreeNode, indent: str) -> None:
             children = sorted(node.children.values(), key=lambda c: c.id)

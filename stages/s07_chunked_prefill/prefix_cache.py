@@ -28,7 +28,9 @@ from s06_radix_cache.radix_cache import RadixCache
 class ChunkedPrefixCache(PrefixCache, Protocol):
     """Stage 5's protocol plus the call after each chunk (the module docstring)."""
 
-    def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch: ...
+    def cache_unfinished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch
+    ) -> PrefixMatch: ...
 
 
 class ChunkCache(NoPrefixCache):
@@ -48,5 +50,5 @@ class ChunkedRadixCache(RadixCache):
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_unfinished_req got {len(token_ids)} tokens but {len(slots)} slots")
         raise NotImplementedError(
-            "Stage 7: insert a half-prefilled request's chunks and hand it the tree's copy - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"
+            "Stage 7: insert a half-prefilled request's chunks and hand it the tree's copy - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"  # noqa: E501 (one message, the learner's to read whole)
         )

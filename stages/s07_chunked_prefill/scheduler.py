@@ -55,7 +55,10 @@ class ChunkedPrefillScheduler(RadixScheduler):
         ``prefix_cache`` must offer ``cache_unfinished_req`` (see prefix_cache.py); ``knobs``:
         stage 6's (schedule_policy, max_prefill_tokens, new_token_ratio, on_step, clock)."""
         if chunked_prefill_size is not None and chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be a positive number of tokens or None (no chunking), got {chunked_prefill_size}")
+            raise ValueError(
+                "chunked_prefill_size must be a positive number of tokens or None (no chunking), got "
+                f"{chunked_prefill_size}"
+            )
         super().__init__(runner, prefix_cache, **knobs)
         self.chunked_prefill_size = chunked_prefill_size
         self.chunked_req: Req | None = None  # the request whose prefill is half done, between steps
@@ -72,7 +75,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         """The rest of ``req``'s fill_ids, cut to what is left of the step's budget."""
         rest = len(req.fill_ids) - cached_len  # noqa: F841
         raise NotImplementedError(
-            "Stage 7: a request's pass length under the step's prefill budget - see stages/s07_chunked_prefill/README.md#what-you-write"
+            "Stage 7: a request's pass length under the step's prefill budget - see stages/s07_chunked_prefill/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def next_chunk_len(self, req: Req, budget: int) -> int:
@@ -81,7 +84,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
         rest = self.prefill_len(req, req.cached_len, budget)
         room = self.available_slots() - self.reserved_slots(self.running)
         # Whole pages: the chunk first fills the request's last page, then takes new ones.
-        room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
+        room_tokens = (
+            pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size
+        ) * self.page_size - req.cached_len
         return max(0, min(rest, room_tokens))
 
     def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
@@ -91,7 +96,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []  # noqa: F841
         raise NotImplementedError(
-            "Stage 7: the half-prefilled request's next chunk first, then stage 5's admission - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"
+            "Stage 7: the half-prefilled request's next chunk first, then stage 5's admission - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     # --- after the pass ----------------------------------------------------------------------------
@@ -109,7 +114,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         """A request whose prefill is still pending stores its chunk and waits for its next one
         (never sampled); everyone else goes through stage 5's processing, with its own logits row."""
         raise NotImplementedError(
-            "Stage 7: park the requests whose prefill is pending; sample the others - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"
+            "Stage 7: park the requests whose prefill is pending; sample the others - see stages/s07_chunked_prefill/README.md#the-half-prefilled-request-chunked_req"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     # --- the half-prefilled request elsewhere ------------------------------------------------------

@@ -123,11 +123,16 @@ class CudaGraphRunner:
         return [(bs, kv_len) for bs in reversed(self.capture_bs) for kv_len in reversed(self.capture_kv_lens)]
 
     def describe(self) -> str:
-        what = (f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
-                f"{self.capture_kv_lens[0]}..{self.max_kv_len})")
+        what = (
+            f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
+            f"{self.capture_kv_lens[0]}..{self.max_kv_len})"
+        )
         if not self.use_cuda_graph:
             return f"{what}, run eagerly (no CUDA here: nothing to capture)"
-        return f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, {self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        return (
+            f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, "
+            f"{self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        )
 
     # --- which batches, which bucket --------------------------------------------------------------
 
@@ -144,7 +149,9 @@ class CudaGraphRunner:
         if not 1 <= num_reqs <= self.max_bs:
             raise ValueError(f"{num_reqs} requests: graph buckets hold 1..{self.max_bs} (larger decodes run eagerly)")
         if not 1 <= max_seq_len <= self.max_kv_len:
-            raise ValueError(f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)")
+            raise ValueError(
+                f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)"
+            )
         raise NotImplementedError(
             "Stage 8: the smallest bucket that holds the batch - see stages/s08_cuda_graph/README.md#what-you-write"
         )
@@ -164,7 +171,8 @@ class CudaGraphRunner:
                 raise
             except Exception as error:
                 raise RuntimeError(
-                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): {type(error).__name__}: {error}. "
+                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): "
+                    f"{type(error).__name__}: {error}. "
                     "Run without graphs (--disable-cuda-graph, Engine(disable_cuda_graph=True)) or with fewer buckets "
                     "(--cuda-graph-max-bs, --cuda-graph-max-kv-len)."
                 ) from error
@@ -193,7 +201,7 @@ class CudaGraphRunner:
             # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
             self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])
             raise NotImplementedError(
-                "Stage 8: warm up, then capture one bucket's decode pass - see stages/s08_cuda_graph/README.md#what-you-write"
+                "Stage 8: warm up, then capture one bucket's decode pass - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
             )
         self.batches[bs, kv_len] = batch
 
@@ -217,7 +225,7 @@ class CudaGraphRunner:
         # The static batch's host-side fields say what its rows now hold (the graph reads none of them).
         self.batches[bucket].seq_lens = list(forward_batch.seq_lens) + [1] * (bs - n)
         raise NotImplementedError(
-            "Stage 8: copy the batch into the static buffers and pad it to its bucket - see stages/s08_cuda_graph/README.md#what-you-write"
+            "Stage 8: copy the batch into the static buffers and pad it to its bucket - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:

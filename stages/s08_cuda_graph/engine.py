@@ -6,7 +6,7 @@ and CUDA graphs, same APIs, plus these config fields::
     engine = Engine(cuda_graph_max_bs=32)              # decodes of up to 32 requests replay graphs
     engine = Engine(disable_cuda_graph=True)           # every pass eager (decodes still batched)
     engine = Engine(torch_threads=1)                   # torch's CPU threads (default: one per physical core)
-    engine = Engine(enable_torch_compile=True)         # the layers' math through Inductor (slow start; torch_compile.py)
+    engine = Engine(enable_torch_compile=True)         # the layers' math through Inductor (slow start)
     engine.runner.forward_paths                        # Counter({"graph": ..., "eager": ...})
     engine.describe()                                  # device, threads, attention, graphs, pool
 
@@ -56,8 +56,13 @@ class CudaGraphEngine(ChunkedPrefillEngine):
     config: CudaGraphEngineConfig
     runner: GraphModelRunner
 
-    def __init__(self, model: str | Path | CausalLM | None = None, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig | None = None, **options: Any):
+    def __init__(
+        self,
+        model: str | Path | CausalLM | None = None,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+        **options: Any,
+    ):
         """As stage 5's; torch's thread count (a setting of the whole process) is set first, before
         the model loads."""
         config = cast(CudaGraphEngineConfig, self.make_config(config, **options))  # make_config checks the class
@@ -69,23 +74,34 @@ class CudaGraphEngine(ChunkedPrefillEngine):
         disable = c.disable_cuda_graph
         if disable is None:
             disable = self.model.device.type != "cuda"
-        return GraphModelRunner(self.model, pool_size, c.page_size, c.max_running_requests, max_context_len,
-                                c.attention_backend, cuda_graph_max_bs=c.cuda_graph_max_bs,
-                                cuda_graph_max_kv_len=c.cuda_graph_max_kv_len, disable_cuda_graph=disable,
-                                enable_torch_compile=c.enable_torch_compile)
+        return GraphModelRunner(
+            self.model,
+            pool_size,
+            c.page_size,
+            c.max_running_requests,
+            max_context_len,
+            c.attention_backend,
+            cuda_graph_max_bs=c.cuda_graph_max_bs,
+            cuda_graph_max_kv_len=c.cuda_graph_max_kv_len,
+            disable_cuda_graph=disable,
+            enable_torch_compile=c.enable_torch_compile,
+        )
 
     def describe(self) -> str:
         """One line per part: where it runs, how attention runs, the graphs, the KV pool."""
         runner = self.runner
         graphs = runner.cuda_graph_runner.describe() if runner.cuda_graph_runner else "CUDA graphs: off"
-        return "\n".join([
-            f"device: {describe(self.model.device)}, {str(self.model.dtype).removeprefix('torch.')}",
-            f"attention: {runner.attention_backend_name}, decodes batched (one attention call per layer)",
-            f"graphs: {graphs}",
-            f"torch.compile: {'on (the decoder layers; attention eager)' if self.config.enable_torch_compile else 'off'}",
-            f"KV pool: {runner.allocator.size} slots ({runner.token_to_kv_pool.nbytes / 2**20:.0f} MiB), "
-            f"up to {runner.req_to_token_pool.size} requests of {runner.req_to_token_pool.max_context_len} tokens",
-        ])
+        return "\n".join(
+            [
+                f"device: {describe(self.model.device)}, {str(self.model.dtype).removeprefix('torch.')}",
+                f"attention: {runner.attention_backend_name}, decodes batched (one attention call per layer)",
+                f"graphs: {graphs}",
+                "torch.compile: "
+                + ("on (the decoder layers; attention eager)" if self.config.enable_torch_compile else "off"),
+                f"KV pool: {runner.allocator.size} slots ({runner.token_to_kv_pool.nbytes / 2**20:.0f} MiB), "
+                f"up to {runner.req_to_token_pool.size} requests of {runner.req_to_token_pool.max_context_len} tokens",
+            ]
+        )
 
 
 Engine = CudaGraphEngine  # the stage's public name

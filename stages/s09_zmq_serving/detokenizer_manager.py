@@ -41,7 +41,7 @@ def stop_hold_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of ``text`` could still be the start of a stop string:
     the longest proper prefix of some stop string that ``text`` ends with (0 if none)."""
     raise NotImplementedError(
-        "Stage 9: how many trailing characters might start a stop string - see stages/s09_zmq_serving/README.md#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy"
+        "Stage 9: how many trailing characters might start a stop string - see stages/s09_zmq_serving/README.md#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy"  # noqa: E501 (one message, the learner's to read whole)
     )
 
 
@@ -61,7 +61,7 @@ class DecodeStatus:
         text: the released text, cut before a matched stop string (and a matched stop token /
         EOS is not text), with every other tail sent once the request is over."""
         raise NotImplementedError(
-            "Stage 9: the new text a request may show, holding back what a stop string may take - see stages/s09_zmq_serving/README.md#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy"
+            "Stage 9: the new text a request may show, holding back what a stop string may take - see stages/s09_zmq_serving/README.md#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     def _send_until(self, text: str, end: int) -> str:

@@ -24,9 +24,17 @@ def learner_run(*tests: str, reference_upto: int = 0, stages_dir: Path | None = 
     env.update(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto))
     if stages_dir is not None:
         env["ENGINE_STAGES_DIR"] = str(stages_dir)
-    done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == exit_code, f"pytest should exit {exit_code}, it exited {done.returncode}:\n{done.stdout[-3000:]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == exit_code, (
+        f"pytest should exit {exit_code}, it exited {done.returncode}:\n{done.stdout[-3000:]}"
+    )
     return done.stdout
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from make_skeleton import BEGIN, MarkerError, skeleton_source
+from make_skeleton import ANCHOR_LINE, BEGIN, MarkerError, skeleton_source
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATOR = REPO / "tools" / "make_skeleton.py"
@@ -39,7 +39,15 @@ SOLUTION = textwrap.dedent('''\
 
 
 def generate(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(GENERATOR), "--solutions", str(tmp / "solutions"), "--stages", str(tmp / "stages"), *flags]
+    command = [
+        sys.executable,
+        str(GENERATOR),
+        "--solutions",
+        str(tmp / "solutions"),
+        "--stages",
+        str(tmp / "stages"),
+        *flags,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
@@ -121,11 +129,17 @@ def test_check_lists_every_out_of_sync_file_with_a_fix(tree):
     [
         ("def f():\n    # BEGIN EXERCISE: a\n    return 1\n", "s01_x/m.py:2: BEGIN EXERCISE has no matching END"),
         ("def f():\n    return 1\n    # END EXERCISE\n", "s01_x/m.py:3: END EXERCISE without a BEGIN"),
-        ("def f():\n    # BEGIN EXERCISE: a\n    # BEGIN EXERCISE: b\n    return 1\n    # END EXERCISE\n    # END EXERCISE\n",
-         "s01_x/m.py:3: BEGIN EXERCISE inside the region opened at line 2"),
+        (
+            "def f():\n    # BEGIN EXERCISE: a\n    # BEGIN EXERCISE: b\n    return 1\n    # END EXERCISE\n    # END "
+            "EXERCISE\n",
+            "s01_x/m.py:3: BEGIN EXERCISE inside the region opened at line 2",
+        ),
         ("def f():\n    # BEGIN EXERCISE a\n    return 1\n    # END EXERCISE\n", "s01_x/m.py:2: malformed marker"),
         ("def f():\n    # BEGIN EXERCISE:\n    return 1\n    # END EXERCISE\n", "s01_x/m.py:2: malformed marker"),
-        ("def f():\n    # BEGIN EXERCISE: a\n    return 1\n# END EXERCISE\n", "s01_x/m.py:4: END EXERCISE is not indented like its BEGIN at line 2"),
+        (
+            "def f():\n    # BEGIN EXERCISE: a\n    return 1\n# END EXERCISE\n",
+            "s01_x/m.py:4: END EXERCISE is not indented like its BEGIN at line 2",
+        ),
         ("def f():\n    if True:\n        # BEGIN EXERCISE: a\n        x = 1\n        # END EXERCISE\n", None),  # fine
     ],
 )
@@ -154,7 +168,7 @@ def test_a_task_longer_than_one_line_is_refused():
 
 
 def test_names_only_the_removed_region_used_are_marked_for_the_linter():
-    source = textwrap.dedent('''\
+    source = textwrap.dedent("""\
         import heapq
         import math
         from typing import TYPE_CHECKING
@@ -169,7 +183,7 @@ def test_names_only_the_removed_region_used_are_marked_for_the_linter():
             # BEGIN EXERCISE: pop the smallest [#pop]
             return heapq.heappop(rows) * scale
             # END EXERCISE
-        ''')
+        """)
     got = skeleton_source(source, "s01_x/m.py", 1, "s01_x").splitlines()
     assert got[0] == "import heapq  # noqa: F401"  # only the exercise used it
     assert got[1] == "import math"  # the skeleton still uses it
@@ -216,28 +230,31 @@ def test_every_exercise_names_its_task_in_one_line_and_points_at_a_readme_sectio
         if "BEGIN EXERCISE" not in source:
             continue
         readme = (REPO / "solutions" / package / "README.md").read_text(encoding="utf-8")
-        for number, line in enumerate(source.splitlines(), start=1):
+        lines = source.splitlines()
+        for number, line in enumerate(lines, start=1):
             begin = BEGIN.match(line)
             if not begin:
                 continue
             where = f"{path.relative_to(REPO)}:{number}"
-            if begin.group(3) is None:
+            own_line = ANCHOR_LINE.match(lines[number]) if number < len(lines) else None
+            anchor = begin.group(3) or (own_line.group(2) if own_line else None)
+            if anchor is None:
                 problems.append(f"{where}: no [#anchor] to the README section of this exercise")
-            elif begin.group(3) not in heading_anchors(readme):
-                problems.append(f"{where}: #{begin.group(3)} is no heading of solutions/{package}/README.md")
+            elif anchor not in heading_anchors(readme):
+                problems.append(f"{where}: #{anchor} is no heading of solutions/{package}/README.md")
         if "<summary>If you are stuck" not in readme:
             problems.append(f"solutions/{package}/README.md: no folded 'If you are stuck' recipe")
     assert not problems, "\n".join(problems)
 
 
 def test_a_generator_whose_yields_were_all_in_the_region_stays_a_generator():
-    source = textwrap.dedent('''\
+    source = textwrap.dedent("""\
         async def chunks(outputs):
             # BEGIN EXERCISE: one line per output [#chunks]
             async for out in outputs:
                 yield out
             # END EXERCISE
-        ''')
+        """)
     got = skeleton_source(source, "s09_x/m.py", 9, "s09_x")
     assert got.splitlines()[-1] == "    yield  # keeps chunks a generator, as the solution is"
     namespace: dict = {}

@@ -70,7 +70,9 @@ GOOD: list[dict[str, Any]] = [
 def test_valid_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
     for field, value in kwargs.items():
-        assert getattr(params, field) == value, f"SamplingParams({kwargs}) changed {field} to {getattr(params, field)!r}"
+        assert getattr(params, field) == value, (
+            f"SamplingParams({kwargs}) changed {field} to {getattr(params, field)!r}"
+        )
 
 
 def test_defaults_and_normalisation():
@@ -83,8 +85,13 @@ def test_defaults_and_normalisation():
 
 @pytest.mark.parametrize(
     "kwargs,greedy",
-    [(dict(temperature=0.0), True), (dict(top_k=1), True), (dict(temperature=0.0, top_p=0.5), True),
-     (dict(temperature=1.0), False), (dict(temperature=0.2, top_k=2), False)],
+    [
+        (dict(temperature=0.0), True),
+        (dict(top_k=1), True),
+        (dict(temperature=0.0, top_p=0.5), True),
+        (dict(temperature=1.0), False),
+        (dict(temperature=0.2, top_k=2), False),
+    ],
 )
 def test_is_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).is_greedy is greedy, f"SamplingParams({kwargs}).is_greedy should be {greedy}"

@@ -51,7 +51,9 @@ def assert_nothing_held_but_the_tree(engine, what: str) -> None:
     allocator, cache = engine.runner.allocator, engine.tree_cache
     held = allocator.size - allocator.available_size()
     in_tree = cache.total_size() if cache is not None else 0
-    assert cache is None or cache.protected_size_ == 0, f"{what}: nothing runs, yet {cache.protected_size_} cached tokens are still locked"
+    assert cache is None or cache.protected_size_ == 0, (
+        f"{what}: nothing runs, yet {cache.protected_size_} cached tokens are still locked"
+    )
     if cache is not None:
         cache.evict(allocator.size)
         assert cache.total_size() == 0, f"{what}: evicting everything left {cache.total_size()} tokens in the tree"

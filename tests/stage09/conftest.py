@@ -49,7 +49,9 @@ def default_server(default_server_session):
 
 @pytest.fixture(scope="session")
 def guarded_server_session(tiny_models_root, tmp_path_factory):
-    yield from running(tiny_models_root / TINY_FAMILY, GUARD_ARGS, tmp_path_factory.mktemp("s09-guarded-server"), api_key=GUARD_KEY)
+    yield from running(
+        tiny_models_root / TINY_FAMILY, GUARD_ARGS, tmp_path_factory.mktemp("s09-guarded-server"), api_key=GUARD_KEY
+    )
 
 
 @pytest.fixture
