@@ -1,25 +1,10 @@
 """``Scheduler``: continuous batching - requests join and leave the running batch at every step.
 
 A static batch (stage 4) starts together and ends with its slowest request; a slot freed early
-sits idle and newcomers wait for the whole batch. Here the batch is rebuilt every step::
-
-    add_request ─▶ waiting (FCFS) ──admit──▶ running ──finished──▶ retired: slots and row freed at once
-                      ▲                         │
-                      └──── retract (front) ◀───┘  the pool cannot hold every running request's next token
-
-One ``step()``:
-
-    1. retract  if the pool cannot give every running request the slot of its next token, send
-                the most recently admitted ones back to the FRONT of the waiting queue: their
-                slots are freed, their generated tokens kept, and they are recomputed (one
-                prefill of prompt + generated tokens) when readmitted
-    2. admit    take waiting requests in arrival order while the step's prefill budget
-                (max_prefill_tokens), the request rows and the pool's free room allow
-    3. build    one ScheduleBatch -> one ragged ForwardBatch: the running requests' decodes and
-                the admitted requests' prefills side by side
-    4. run      one forward pass; one sample per request, each with its own SamplingParams
-    5. process  append each token, check its stop conditions; a finished request is retired
-                right away, so its slots serve someone else in the very next step
+sits idle and newcomers wait for the whole batch. Here the batch is rebuilt every step: retract
+(only when the pool is short), admit, build one ragged batch of decodes and prefills, run it,
+process its tokens and retire the finished requests at once. The loop's diagram and its five
+steps are in this stage's README ("The loop"); ``step()`` below is that loop.
 
 Room is counted in KV slots. Admission keeps some back for the requests already running: the
 slots of their next pass plus ``new_token_ratio`` of the tokens they may still generate. With a
@@ -255,10 +240,6 @@ class Scheduler:
             "Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry"  # noqa: E501 (one message, the learner's to read whole)
         )
 
-    def order_waiting(self) -> None:
-        """The admission order: first come, first served, so the queue stays as it is. Stage 6
-        overrides this to put the requests with the longest cached prefix first."""
-
     def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
         """Tokens ``req`` computes in its first pass when ``cached_len`` of them are cached: all the
         rest of its fill_ids (stage 7 cuts a long prompt to the step's ``budget``)."""
@@ -275,7 +256,6 @@ class Scheduler:
         it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage
         7's half-prefilled request); they count as admitted first. Returns the newly admitted
         requests (each started with start_req, its device_len set to the end of its pass), in order."""
-        self.order_waiting()
         admitted: list[Req] = list(scheduled)  # noqa: F841
         reserved = self.reserved_slots([*self.running, *scheduled])  # noqa: F841
         budget = self.max_prefill_tokens if budget is None else budget

@@ -15,6 +15,7 @@ hands every leaving request's K/V to it; with a ``RadixCache`` plugged in two th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from s02_request_and_sampling.req import Req
 from s05_continuous_batching.prefix_cache import PrefixMatch
@@ -44,6 +45,8 @@ class RadixScheduler(Scheduler):
         super().start_req(req, match)
         self.stats.cached_tokens += match.cached_len
 
-    def order_waiting(self) -> None:
-        """Longest cached prefix first (or FCFS for a long queue), as the policy decides."""
+    def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
+        """Stage 5's admission, over the queue in the policy's order: the longest cached prefix
+        first (or FCFS for a long queue)."""
         self.policy.calc_priority(self.waiting)
+        return super().admit_new_requests(scheduled, budget)

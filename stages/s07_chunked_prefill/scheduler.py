@@ -3,14 +3,8 @@
 Without chunking a step computes every admitted prompt whole, and the running requests' decode
 tokens ride in the same pass: a 4000-token prompt makes that pass (and so every running
 request's next token) as slow as a 4000-token prefill. With ``chunked_prefill_size`` = 512 the
-same prompt takes 8 steps, each a 512-token chunk next to the decodes, so nobody's stream stops::
-
-    step  decode rows         prefill rows
-      1   [a b c]             [L 0..511]          L: prompt of 2000 tokens, budget 512
-      2   [a b c]             [L 512..1023]
-      3   [a b c]             [L 1024..1535]
-      4   [a b c]             [L 1536..1999 | M 0..47]   L's last chunk; M fits the rest of the budget
-      5   [a b c L M]         []                  L and M sampled their first token in step 4
+same prompt takes 8 steps, each a 512-token chunk next to the decodes, so nobody's stream stops
+(the README's "The idea" draws those steps).
 
 Rules of the half-prefilled request (SGLang's ``chunked_req``; at most one at a time, since
 cutting a prompt uses up the step's budget):
