@@ -20,7 +20,8 @@ from s00_foundation.model import CausalLM
 
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
-    # BEGIN EXERCISE: build a ForwardBatch holding the whole sequence (one request, nothing cached, NoCacheBackend) and return the model's logits for it
+    # BEGIN EXERCISE: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached)
+    # [#what-you-write]
     batch = ForwardBatch.build([list(token_ids)], prefix_lens=[0], attn_backend=NoCacheBackend(), device=model.device)
     return model(batch)[0]
     # END EXERCISE
@@ -35,13 +36,14 @@ def naive_generate(
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, new_tokens = list(input_ids), []
-    # BEGIN EXERCISE: loop - logits of the whole sequence, greedy pick (argmax), append, stop at an EOS id or after max_new_tokens
+    tokens = list(input_ids)
+    new_tokens: list[int] = []
+    # BEGIN EXERCISE: the greedy loop: recompute, pick, append, stop [#what-you-write]
     for _ in range(max_new_tokens):
         next_id = int(torch.argmax(next_token_logits(model, tokens)))
         tokens.append(next_id)
         new_tokens.append(next_id)
         if next_id in eos_token_ids:
             break
-    # END EXERCISE
     return new_tokens
+    # END EXERCISE

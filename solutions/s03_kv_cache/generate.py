@@ -34,7 +34,7 @@ def extend(model: CausalLM, caches: Sequence[KVCache], new_token_ids: Sequence[S
     """
     if len(caches) != len(new_token_ids):
         raise ValueError(f"{len(caches)} caches but {len(new_token_ids)} lists of new tokens")
-    # BEGIN EXERCISE: reserve room in every cache, build one ForwardBatch whose prefix lengths are the caches' seq_len (with a KVCacheBackend over the caches), run the model, then record each cache's new seq_len
+    # BEGIN EXERCISE: run new tokens of every request against its cache [#what-you-write]
     for cache, ids in zip(caches, new_token_ids):
         cache.reserve(cache.seq_len + len(ids))
     batch = ForwardBatch.build(
@@ -70,7 +70,7 @@ def stream_generate(
         cache = KVCache.for_model(model, capacity=len(input_ids) + max_new_tokens - 1)
     elif cache.seq_len != 0:
         raise ValueError(f"the cache already holds {cache.seq_len} positions; generation needs an empty one")
-    # BEGIN EXERCISE: prefill the whole prompt once with extend; then loop: greedy pick (argmax), yield it, stop at an EOS id or after max_new_tokens, otherwise extend by that one token
+    # BEGIN EXERCISE: prefill once, then decode one token per step [#what-you-write]
     logits = extend(model, [cache], [list(input_ids)])[0]
     for step in range(max_new_tokens):
         next_id = int(torch.argmax(logits))

@@ -13,14 +13,16 @@ from typing import Sequence
 
 import torch
 
-from s00_foundation.attention import NoCacheBackend
-from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.attention import NoCacheBackend  # noqa: F401
+from s00_foundation.forward_batch import ForwardBatch  # noqa: F401
 from s00_foundation.model import CausalLM
 
 
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
-    raise NotImplementedError("Stage 1: build a ForwardBatch holding the whole sequence (one request, nothing cached, NoCacheBackend) and return the model's logits for it - see stages/s01_naive_generate/README.md")
+    raise NotImplementedError(
+        "Stage 1: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) - see stages/s01_naive_generate/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 def naive_generate(
@@ -32,6 +34,8 @@ def naive_generate(
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, new_tokens = list(input_ids), []
-    raise NotImplementedError("Stage 1: loop - logits of the whole sequence, greedy pick (argmax), append, stop at an EOS id or after max_new_tokens - see stages/s01_naive_generate/README.md")
-    return new_tokens
+    tokens = list(input_ids)  # noqa: F841
+    new_tokens: list[int] = []  # noqa: F841
+    raise NotImplementedError(
+        "Stage 1: the greedy loop: recompute, pick, append, stop - see stages/s01_naive_generate/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+    )

@@ -18,10 +18,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.forward_batch import ForwardBatch  # noqa: F401
 from s00_foundation.model import CausalLM
 
-from .backend import KVCacheBackend
+from .backend import KVCacheBackend  # noqa: F401
 from .kv_cache import KVCache
 
 
@@ -34,7 +34,9 @@ def extend(model: CausalLM, caches: Sequence[KVCache], new_token_ids: Sequence[S
     """
     if len(caches) != len(new_token_ids):
         raise ValueError(f"{len(caches)} caches but {len(new_token_ids)} lists of new tokens")
-    raise NotImplementedError("Stage 3: reserve room in every cache, build one ForwardBatch whose prefix lengths are the caches' seq_len (with a KVCacheBackend over the caches), run the model, then record each cache's new seq_len - see stages/s03_kv_cache/README.md")
+    raise NotImplementedError(
+        "Stage 3: run new tokens of every request against its cache - see stages/s03_kv_cache/README.md#what-you-write"
+    )
 
 
 def stream_generate(
@@ -59,7 +61,10 @@ def stream_generate(
         cache = KVCache.for_model(model, capacity=len(input_ids) + max_new_tokens - 1)
     elif cache.seq_len != 0:
         raise ValueError(f"the cache already holds {cache.seq_len} positions; generation needs an empty one")
-    raise NotImplementedError("Stage 3: prefill the whole prompt once with extend; then loop: greedy pick (argmax), yield it, stop at an EOS id or after max_new_tokens, otherwise extend by that one token - see stages/s03_kv_cache/README.md")
+    raise NotImplementedError(
+        "Stage 3: prefill once, then decode one token per step - see stages/s03_kv_cache/README.md#what-you-write"
+    )
+    yield  # keeps stream_generate a generator, as the solution is
 
 
 def cached_generate(
