@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 
-.PHONY: help setup check-env demo serve lab test grade prove-fail mutants skeleton check-skeleton \
+.PHONY: help setup check-env demo serve lab lint test grade prove-fail mutants skeleton check-skeleton \
         test-gpu gpu-check gpu-check-full bench bench-peer notebooks soak clean distclean
 
 help:
@@ -44,7 +44,8 @@ help:
 	@echo "  make lab              JupyterLab on notebooks/ (localhost), the reference engine; ENGINE_IMPL=stages: yours"
 	@echo "                       (torch uses 1 thread in all of these unless OMP_NUM_THREADS says otherwise)"
 	@echo "Maintainers and instructors"
-	@echo "  make test             everything: reference tests, skeleton sync, fail-proof, notebooks"
+	@echo "  make test             everything: lint, reference tests, skeleton sync, fail-proof, notebooks"
+	@echo "  make lint             ruff (lint + format check) and mypy on solutions/, stages/, tools/, tests/ (seconds)"
 	@echo "  make gpu-check OUT=DIR        on a GPU: stage 8's CUDA path checked model-free (REHEARSAL=1: on a CPU)"
 	@echo "  make gpu-check-full OUT=DIR   on a GPU, second run: default model, GPU tests, notebook 08"
 	@echo "  make test-gpu         both, with this repository's venv; fails without a CUDA GPU"
@@ -133,7 +134,16 @@ lab: setup
 # The suite runs torch on one thread unless told otherwise, for the reason given above the learners' targets.
 test prove-fail notebooks grade mutants soak: export OMP_NUM_THREADS ?= 1
 
-test: setup
+# ruff's linter and formatter check, then mypy (settings in pyproject.toml). solutions/ and stages/
+# hold the same package names, so mypy checks each tree in a run of its own.
+LINT_DIRS := solutions stages tools tests
+lint: setup
+	$(PY) -m ruff check $(LINT_DIRS)
+	$(PY) -m ruff format --check $(LINT_DIRS)
+	MYPYPATH=solutions:tools:tests $(PY) -m mypy solutions tools tests
+	MYPYPATH=stages:tools:tests $(PY) -m mypy stages
+
+test: setup lint
 	$(PY) tools/make_skeleton.py --check
 	$(REFERENCE) ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 	ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) tools/prove_tests_fail.py

@@ -63,8 +63,10 @@ def earlier_stage_hint(item, message: str) -> str:
     if marker is None or found is None or int(found.group(1)) >= marker.args[0]:
         return ""
     stage, earlier = marker.args[0], int(found.group(1))
-    return (f"\n   (stage {earlier} comes before stage {stage}: finish it, or test stage {stage} on the "
-            f"reference stages 1-{stage - 1}: make stage-{stage} REFERENCE_UPTO={stage - 1})")
+    return (
+        f"\n   (stage {earlier} comes before stage {stage}: finish it, or test stage {stage} on the "
+        f"reference stages 1-{stage - 1}: make stage-{stage} REFERENCE_UPTO={stage - 1})"
+    )
 
 
 @pytest.hookimpl(wrapper=True)

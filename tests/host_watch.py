@@ -22,8 +22,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 FROM_PYTHON_DATA = {"tensor", "as_tensor", "from_numpy"}
-DATA_DEPENDENT_SHAPES = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-                         "_local_scalar_dense", "lift_fresh", "lift_fresh_copy"}
+DATA_DEPENDENT_SHAPES = {
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "_local_scalar_dense",
+    "lift_fresh",
+    "lift_fresh_copy",
+}
 
 
 def call_site() -> str:
@@ -54,8 +64,10 @@ class HostWatch(TorchFunctionMode):
 
     def problems(self) -> list[str]:
         """Each finding as a sentence, once."""
-        return sorted({f"{what} reads a device value on the host ({where})" for what, where in self.reads}
-                      | {f"{what} builds a tensor from Python data ({where})" for what, where in self.from_python})
+        return sorted(
+            {f"{what} reads a device value on the host ({where})" for what, where in self.reads}
+            | {f"{what} builds a tensor from Python data ({where})" for what, where in self.from_python}
+        )
 
 
 class DispatchWatch(TorchDispatchMode):
@@ -68,7 +80,9 @@ class DispatchWatch(TorchDispatchMode):
         if name in DATA_DEPENDENT_SHAPES:
             self.found.append(f"aten.{name}: a result whose shape or value is read from the data")
         elif name in ("index", "index_put_", "index_put") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) if i is not None
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 else ())
+            if i is not None
         ):
             self.found.append(f"aten.{name} with a boolean mask: a result shape that depends on the data")
         return func(*args, **(kwargs or {}))

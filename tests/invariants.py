@@ -21,8 +21,10 @@ def check_all(engine, what: str) -> None:
     except AssertionError as error:
         hint = ""
         if engine.tree_cache is not None and "leaked" in str(error):
-            hint = ("\n  (with the radix cache, a leaving request's pages are either kept by the tree or freed: its own "
-                    "copies of tokens the tree already held - duplicates - and its last partial page must be freed)")
+            hint = (
+                "\n  (with the radix cache, a leaving request's pages are either kept by the tree or freed: its own "
+                "copies of tokens the tree already held - duplicates - and its last partial page must be freed)"
+            )
         raise AssertionError(f"{what}: {error}{hint}") from None
 
 
@@ -43,13 +45,16 @@ def watch_evict(cache):
             if node is not None and node.children:
                 children = [len(child.key) for child in node.children.values()]
                 raise AssertionError(
-                    f"evict freed the slots of node {node.id} ({len(node.key)} tokens) while it still has {len(children)} "
-                    f"child(ren) (of {children} tokens), which hang below its tokens: only leaves are evicted. A parent "
+                    f"evict freed the slots of node {node.id} ({len(node.key)} tokens) while it still has "
+                    f"{len(children)} "
+                    f"child(ren) (of {children} tokens), which hang below its tokens: only leaves are evicted. A "
+                    "parent "
                     "joins the heap when its LAST child is gone (and nothing locks it)"
                 )
             if key and key in freed:
                 raise AssertionError(
-                    f"evict freed the same node's {len(key)} slots twice: each node is evicted once (a parent joins the "
+                    f"evict freed the same node's {len(key)} slots twice: each node is evicted once (a parent joins "
+                    "the "
                     "heap once, when its last child is gone; the heap starts with the unlocked leaves only)"
                 )
             freed.append(key)

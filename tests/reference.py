@@ -46,7 +46,7 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, eos: tup
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return tuple(out[0, len(prompt):].tolist())
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 def hf_greedy(path: str | Path, prompt: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()) -> list[int]:
@@ -78,11 +78,14 @@ def assert_same_tokens(got: Sequence[int], expected: Sequence[int], what: str, t
     common = min(len(got), len(expected))
     if len(got) < len(expected):
         missing = ", ".join(show(token) for token in expected[common : common + 3])
-        tail = f"yours stops too early: the reference goes on with {missing}" + (" ..." if len(expected) > common + 3 else "")
+        tail = f"yours stops too early: the reference goes on with {missing}" + (
+            " ..." if len(expected) > common + 3 else ""
+        )
         if expected[common] in getattr(tokenizer, "eos_token_ids", ()):
             tail += " (an EOS token: the token that ends a request is kept in its output_ids)"
     else:
         tail = f"yours goes on with {show(got[common])}"
     raise AssertionError(
-        f"{what}: your engine produced {len(got)} tokens, the reference {len(expected)} (the first {common} agree); {tail}"
+        f"{what}: your engine produced {len(got)} tokens, the reference {len(expected)} (the first {common} agree); "
+        f"{tail}"
     )

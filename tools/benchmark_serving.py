@@ -18,7 +18,8 @@ and each rate reuses the same prompts, which a cache would otherwise find from t
 Numbers are printed (and written with --json), never asserted.
 
     python tools/benchmark_serving.py --rates 1,2,4,inf
-    python tools/benchmark_serving.py --model Qwen/Qwen3-0.6B --num-requests 256 --input-len 1024 --output-len 1024 --rates 4,8,16,inf
+    python tools/benchmark_serving.py --model Qwen/Qwen3-0.6B --num-requests 256 --input-len 1024 \\
+        --output-len 1024 --rates 4,8,16,inf
     python tools/benchmark_serving.py --url http://127.0.0.1:30000 --rates 2    # a server you started (no offline run)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
@@ -70,15 +71,20 @@ class Result:
     error: str = ""
 
 
-def make_workload(vocab_size: int, num_requests: int, input_len: int, output_len: int, range_ratio: float,
-                  seed: int, special_ids=()) -> list[Request]:
+def make_workload(
+    vocab_size: int, num_requests: int, input_len: int, output_len: int, range_ratio: float, seed: int, special_ids=()
+) -> list[Request]:
     """Random token-id prompts (special tokens avoided), lengths uniform in [ratio * len, len]."""
     rng = random.Random(seed)
     special = set(special_ids)
     ordinary = [t for t in range(vocab_size) if t not in special]
-    return [Request([rng.choice(ordinary) for _ in range(rng.randint(max(1, int(range_ratio * input_len)), input_len))],
-                    rng.randint(max(1, int(range_ratio * output_len)), output_len))
-            for _ in range(num_requests)]
+    return [
+        Request(
+            [rng.choice(ordinary) for _ in range(rng.randint(max(1, int(range_ratio * input_len)), input_len))],
+            rng.randint(max(1, int(range_ratio * output_len)), output_len),
+        )
+        for _ in range(num_requests)
+    ]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -92,8 +98,13 @@ async def send_one(client: openai.AsyncOpenAI, model: str, request: Request) -> 
     result = Result(ok=False, sent=time.perf_counter())
     try:
         stream = await client.completions.create(
-            model=model, prompt=request.prompt, max_tokens=request.output_len, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=model,
+            prompt=request.prompt,
+            max_tokens=request.output_len,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         async for chunk in stream:
             now = time.perf_counter()
@@ -108,8 +119,9 @@ async def send_one(client: openai.AsyncOpenAI, model: str, request: Request) -> 
     return result
 
 
-async def run_rate_async(base_url: str, model: str, requests: list[Request], rate: float, seed: int,
-                         progress: bool) -> dict:
+async def run_rate_async(
+    base_url: str, model: str, requests: list[Request], rate: float, seed: int, progress: bool
+) -> dict:
     rng = random.Random(seed)
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=3600)
     try:
@@ -138,17 +150,23 @@ def summarize(results: list[Result], rate: float, duration: float) -> dict:
     tokens = sum(r.completion_tokens for r in done)
     itl = [b - a for r in done for a, b in zip(r.pieces, r.pieces[1:])]
     return {
-        "rate": rate, "completed": len(done), "failed": len(results) - len(done),
+        "rate": rate,
+        "completed": len(done),
+        "failed": len(results) - len(done),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
-        "duration_s": duration, "output_tokens": tokens,
-        "throughput_tok_s": tokens / duration, "request_throughput": len(done) / duration,
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "throughput_tok_s": tokens / duration,
+        "request_throughput": len(done) / duration,
         "ttft_ms": {k: 1000 * v for k, v in percentiles([r.first - r.sent for r in done if r.first]).items()},
         "itl_ms": {k: 1000 * v for k, v in percentiles(itl).items()},
         "e2e_ms": {k: 1000 * v for k, v in percentiles([r.end - r.sent for r in done]).items()},
     }
 
 
-def run_rate(base_url: str, model: str, requests: list[Request], rate: float, seed: int = 0, progress: bool = True) -> dict:
+def run_rate(
+    base_url: str, model: str, requests: list[Request], rate: float, seed: int = 0, progress: bool = True
+) -> dict:
     """Send ``requests`` to the server at ``rate`` requests/s (inf: all at once); the summary."""
     job = run_rate_async(base_url, model, requests, rate, seed, progress)
     try:
@@ -177,19 +195,28 @@ def offline_throughput(model_path: str, requests: list[Request], knobs: dict) ->
 
 
 def print_table(rows: list[dict], offline: dict | None) -> None:
-    print(f"{'rate (req/s)':>12} {'done':>5} {'TTFT p50/p90/p99 (ms)':>24} {'ITL p50/p90/p99 (ms)':>22} "
-          f"{'E2E p50/p90/p99 (ms)':>24} {'req/s':>6} {'tok/s':>7}" + ("  vs offline" if offline else ""))
+    print(
+        f"{'rate (req/s)':>12} {'done':>5} {'TTFT p50/p90/p99 (ms)':>24} {'ITL p50/p90/p99 (ms)':>22} "
+        f"{'E2E p50/p90/p99 (ms)':>24} {'req/s':>6} {'tok/s':>7}" + ("  vs offline" if offline else "")
+    )
     for row in rows:
-        def three(m):
+
+        def three(m, row=row):
             return "/".join(f"{row[m][f'p{p}']:.0f}" for p in PERCENTILES)
+
         ratio = f"  {row['throughput_tok_s'] / offline['throughput_tok_s']:9.2f}x" if offline else ""
-        print(f"{row['rate']:>12g} {row['completed']:>5d} {three('ttft_ms'):>24} {three('itl_ms'):>22} {three('e2e_ms'):>24} "
-              f"{row['request_throughput']:>6.2f} {row['throughput_tok_s']:>7.1f}{ratio}")
+        print(
+            f"{row['rate']:>12g} {row['completed']:>5d} {three('ttft_ms'):>24} {three('itl_ms'):>22} "
+            f"{three('e2e_ms'):>24} "
+            f"{row['request_throughput']:>6.2f} {row['throughput_tok_s']:>7.1f}{ratio}"
+        )
         if row["failed"]:
             print(f"{'':12} {row['failed']} request(s) failed: {row['errors']}")
     if offline:
-        print(f"{'offline':>12} {'':5} {'(engine.generate on the same requests, all at once)':>72} {'':6} "
-              f"{offline['throughput_tok_s']:>7.1f}")
+        print(
+            f"{'offline':>12} {'':5} {'(engine.generate on the same requests, all at once)':>72} {'':6} "
+            f"{offline['throughput_tok_s']:>7.1f}"
+        )
 
 
 def workload_defaults(device: torch.device) -> dict:
@@ -204,14 +231,22 @@ def main() -> int:
     defaults = workload_defaults(device)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--url", default=None, help="benchmark this running server instead of starting one (no offline run)")
+    parser.add_argument(
+        "--url", default=None, help="benchmark this running server instead of starting one (no offline run)"
+    )
     parser.add_argument("--num-requests", type=int, default=defaults["num_requests"])
     parser.add_argument("--input-len", type=int, default=defaults["input_len"])
     parser.add_argument("--output-len", type=int, default=defaults["output_len"])
     parser.add_argument("--range-ratio", type=float, default=0.5)
-    parser.add_argument("--rates", default=defaults["rates"], help="comma-separated request rates (req/s); inf = all at once")
+    parser.add_argument(
+        "--rates", default=defaults["rates"], help="comma-separated request rates (req/s); inf = all at once"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--server-args", default="", help="more flags for the server (the offline run gets the same engine knobs), e.g. '--max-running-requests 32'")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for the server (the offline run gets the same engine knobs), e.g. '--max-running-requests 32'",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -223,11 +258,14 @@ def main() -> int:
     model_path = str(args.model or default_model_path())
     tokenizer = Tokenizer(model_path)
     special = tokenizer.hf.all_special_ids
-    requests = make_workload(tokenizer.vocab_size, args.num_requests, args.input_len, args.output_len, args.range_ratio,
-                             args.seed, special)
+    requests = make_workload(
+        tokenizer.vocab_size, args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed, special
+    )
     print(f"model: {model_path}   device: {describe(device)}   torch threads: {torch.get_num_threads()}")
-    print(f"{len(requests)} requests, input {args.range_ratio:g}x..1x of {args.input_len} tokens, output "
-          f"{args.range_ratio:g}x..1x of {args.output_len} tokens (EOS ignored, greedy); rates {rates}\n")
+    print(
+        f"{len(requests)} requests, input {args.range_ratio:g}x..1x of {args.input_len} tokens, output "
+        f"{args.range_ratio:g}x..1x of {args.output_len} tokens (EOS ignored, greedy); rates {rates}\n"
+    )
     server_flags = ["--model", model_path, "--disable-radix-cache", *args.server_args.split()]
     offline = None
     if args.url is None:
@@ -237,8 +275,11 @@ def main() -> int:
         knobs = from_cli_args(server_parser.parse_args(server_flags)).engine_knobs
         print("offline engine on the same requests ...", flush=True)
         offline = offline_throughput(model_path, requests, knobs)
-        print(f"offline: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
-              f"{offline['throughput_tok_s']:.1f} tok/s\n", flush=True)
+        print(
+            f"offline: {offline['output_tokens']} tokens in {offline['duration_s']:.2f} s = "
+            f"{offline['throughput_tok_s']:.1f} tok/s\n",
+            flush=True,
+        )
     rows = []
     server = None if args.url else ServerProcess(server_flags)
     try:
@@ -255,8 +296,19 @@ def main() -> int:
     print()
     print_table(rows, offline)
     if args.json:
-        args.json.write_text(json.dumps({"model": model_path, "device": describe(device), "workload": vars(args) | {"json": str(args.json)},
-                                         "offline": offline, "rates": rows}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": model_path,
+                    "device": describe(device),
+                    "workload": vars(args) | {"json": str(args.json)},
+                    "offline": offline,
+                    "rates": rows,
+                },
+                indent=1,
+                default=str,
+            )
+        )
         print(f"\nwrote {args.json}")
     return 0
 

@@ -1,10 +1,10 @@
 """Check that this machine can run the course; one line per check.
 
-    [OK]   a required check passed
-    [FAIL] a required check failed (the line says how to fix it); exit status 1
-    [--]   optional or informational (no GPU, say: then everything runs on the CPU)
+[OK]   a required check passed
+[FAIL] a required check failed (the line says how to fix it); exit status 1
+[--]   optional or informational (no GPU, say: then everything runs on the CPU)
 
-    python tools/check_env.py        (ENGINE_REQUIRE_GPU=1 makes a CUDA GPU required)
+python tools/check_env.py        (ENGINE_REQUIRE_GPU=1 makes a CUDA GPU required)
 """
 
 from __future__ import annotations
@@ -83,9 +83,12 @@ def check_threads(torch) -> bool:
     sys.path.insert(0, str(REPO / "solutions"))
     from s00_foundation.device import default_torch_threads, physical_cores
 
-    return report("--", f"CPU: {physical_cores()} physical core(s); torch uses {torch.get_num_threads()} thread(s) now, "
-                        f"the engine {default_torch_threads()} (OMP_NUM_THREADS if set, else one per physical core; "
-                        "fewer on a busy machine: --torch-threads)")
+    return report(
+        "--",
+        f"CPU: {physical_cores()} physical core(s); torch uses {torch.get_num_threads()} thread(s) now, "
+        f"the engine {default_torch_threads()} (OMP_NUM_THREADS if set, else one per physical core; "
+        "fewer on a busy machine: --torch-threads)",
+    )
 
 
 def check_flash_attn() -> bool:
@@ -120,8 +123,11 @@ def check_model() -> bool:
             raise ValueError("the tokenizer does not round-trip 'Hello world'")
     except Exception as err:
         return report("FAIL", f"default model: {MODEL} does not load ({err}) {fix}")
-    return report("OK", f"default model: {MODEL.relative_to(REPO)} ({config['model_type']}, "
-                  f"{config['num_hidden_layers']} layers, {count} tensors, eos {config['eos_token_id']} = {eos})")
+    return report(
+        "OK",
+        f"default model: {MODEL.relative_to(REPO)} ({config['model_type']}, "
+        f"{config['num_hidden_layers']} layers, {count} tensors, eos {config['eos_token_id']} = {eos})",
+    )
 
 
 def main() -> int:

@@ -25,8 +25,9 @@ def main() -> None:
     for path in args.notebooks:
         start = time.perf_counter()
         notebook = nbformat.read(path, as_version=4)
-        NotebookClient(notebook, timeout=args.timeout, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        NotebookClient(
+            notebook, timeout=args.timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
         nbformat.write(notebook, path)
         print(f"{path}: executed in {time.perf_counter() - start:.1f} s, outputs saved", flush=True)
 

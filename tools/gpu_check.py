@@ -89,9 +89,13 @@ def environment(rehearsal: bool) -> dict:
     import torch
 
     env = {
-        "python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
         "rehearsal": rehearsal,
     }
     try:
@@ -108,7 +112,9 @@ def environment(rehearsal: bool) -> dict:
         env["flash_attn"] = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env["gpu"] = f"{props.name} ({props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor})"
+        env["gpu"] = (
+            f"{props.name} ({props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor})"
+        )
         env["driver"] = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return env
 
@@ -117,7 +123,8 @@ def environment_lines(env: dict) -> list[str]:
     device = env.get("gpu") or f"none (CPU: {env['cpu']}, {env['torch_threads']} torch threads)"
     return [
         f"GPU: {device}   driver: {env.get('driver') or 'n/a'}",
-        f"Python {env['python']} ({env['executable']})   torch {env['torch']}   CUDA {env['cuda']}   cuDNN {env['cudnn']}",
+        f"Python {env['python']} ({env['executable']})   torch {env['torch']}   CUDA {env['cuda']}   cuDNN "
+        f"{env['cudnn']}",
         f"transformers {env['transformers']}   flash-attn {env['flash_attn'] or 'not installed'}",
         f"offline bundle for this Python: python tools/offline_bundle.py pack --python-version "
         f"{'.'.join(env['python'].split('.')[:2])}",
@@ -133,8 +140,14 @@ def run_step(step: Step, argv: list[str], timeout: float, result_file: Path, log
     log.write(f"\n===== {step.name}: {step.what} (timeout {timeout:.0f} s)\n$ {' '.join(argv)}\n")
     log.flush()
     start = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                             env={**os.environ, **(env_vars or {})})
+    child = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
+        env={**os.environ, **(env_vars or {})},
+    )
     try:
         code = child.wait(timeout=max(timeout, 1))
         status = None
@@ -149,25 +162,40 @@ def run_step(step: Step, argv: list[str], timeout: float, result_file: Path, log
         status = "PASS" if code == 0 and not failed else ("FAIL" if failed else "ERROR")
     log.write(f"===== {step.name}: {status} in {seconds:.1f} s (exit {code})\n")
     log.flush()
-    return {"step": step.name, "what": step.what, "status": status, "seconds": round(seconds, 2), "exit_code": code, "checks": checks}
+    return {
+        "step": step.name,
+        "what": step.what,
+        "status": status,
+        "seconds": round(seconds, 2),
+        "exit_code": code,
+        "checks": checks,
+    }
 
 
 def junit(results: list[dict], suite: str) -> str:
     cases = []
     for step in results:
-        checks = step["checks"] or [{"check": "(step)", "status": step["status"], "detail": f"{step['status']} with no checks reported"}]
+        checks = step["checks"] or [
+            {"check": "(step)", "status": step["status"], "detail": f"{step['status']} with no checks reported"}
+        ]
         if step["status"] in ("TIMEOUT", "ERROR"):
-            checks = checks + [{"check": "(step)", "status": "FAIL", "detail": f"{step['status']} after {step['seconds']} s"}]
+            checks = checks + [
+                {"check": "(step)", "status": "FAIL", "detail": f"{step['status']} after {step['seconds']} s"}
+            ]
         for check in checks:
             body = ""
             if check["status"] == "FAIL":
                 body = f"<failure message={quoteattr(check['detail'][:500])}>{escape(check['detail'])}</failure>"
             elif check["status"] == "SKIP":
                 body = f"<skipped message={quoteattr(check['detail'][:500])}/>"
-            cases.append(f'  <testcase classname="{suite}.{step["step"]}" name={quoteattr(check["check"])}>{body}</testcase>')
+            cases.append(
+                f'  <testcase classname="{suite}.{step["step"]}" name={quoteattr(check["check"])}>{body}</testcase>'
+            )
     failures = sum("<failure" in c for c in cases)
-    return (f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{suite}" tests="{len(cases)}" failures="{failures}">\n'
-            + "\n".join(cases) + "\n</testsuite>\n")
+    return (
+        f'<?xml version="1.0" encoding="utf-8"?>\n<testsuite name="{suite}" tests="{len(cases)}" '
+        f'failures="{failures}">\n' + "\n".join(cases) + "\n</testsuite>\n"
+    )
 
 
 def write_summary(out: Path, title: str, env: dict, results: list[dict], how_to_read: str) -> str:
@@ -190,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer buckets and batch sizes (the course's own test)")
     parser.add_argument("--full", action="store_true", help="the second run: default model, GPU tests, notebook 08")
     parser.add_argument("--steps", default=None, help="comma-separated subset of the steps (default: all)")
-    parser.add_argument("--step-timeout", action="append", default=[], metavar="NAME=SECONDS", help="override one step's timeout")
+    parser.add_argument(
+        "--step-timeout", action="append", default=[], metavar="NAME=SECONDS", help="override one step's timeout"
+    )
     parser.add_argument("--run-step", default=None, help=argparse.SUPPRESS)  # internal: run one step in this process
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -205,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not args.rehearsal and not torch.cuda.is_available():
-        parser.error(f"no CUDA GPU (torch {torch.__version__} sees none): on a CPU run the rehearsal (--rehearsal, "
-                     "make gpu-check REHEARSAL=1)")
+        parser.error(
+            f"no CUDA GPU (torch {torch.__version__} sees none): on a CPU run the rehearsal (--rehearsal, "
+            "make gpu-check REHEARSAL=1)"
+        )
     if args.full and args.rehearsal:
         parser.error("--full needs a GPU (it runs the GPU test suite); the rehearsal covers the first run")
     steps = FULL_PARTS if args.full else STEPS
@@ -243,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
 
                 argv_step, env_vars = gpu_check_full.command(step.name, out, result_file)
             else:
-                argv_step = [sys.executable, str(Path(__file__).resolve()), "--run-step", step.name, "--result", str(result_file)]
+                argv_step = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--run-step",
+                    step.name,
+                    "--result",
+                    str(result_file),
+                ]
                 argv_step += ["--rehearsal"] * args.rehearsal + ["--quick"] * args.quick
                 env_vars = None
             result = run_step(step, argv_step, timeout, result_file, log, env_vars)
@@ -252,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps({"title": title, "environment": env, "steps": results}, indent=1))
     (out / "junit.xml").write_text(junit(results, "gpu_check_full" if args.full else "gpu_check"))
     verdict = write_summary(out, title, env, results, HOW_TO_READ if not args.full else gpu_check_full_how_to_read())
-    print(f"\n{verdict}: {out / 'summary.txt'} (and results.json, junit.xml, log.txt"
-          f"{', the GPU tests, notebook 08' if args.full else ''})")
+    print(
+        f"\n{verdict}: {out / 'summary.txt'} (and results.json, junit.xml, log.txt"
+        f"{', the GPU tests, notebook 08' if args.full else ''})"
+    )
     print(HOW_TO_READ if not args.full else gpu_check_full_how_to_read())
     return 0 if verdict == "PASS" else 1
 

@@ -45,7 +45,9 @@ def command(part: str, out: Path, result: Path) -> tuple[list[str], dict]:
 
 
 def record(result: Path, check: str, ok: bool, detail: str, **data) -> int:
-    result.write_text(json.dumps([{"check": check, "status": "PASS" if ok else "FAIL", "detail": detail, "data": data}]))
+    result.write_text(
+        json.dumps([{"check": check, "status": "PASS" if ok else "FAIL", "detail": detail, "data": data}])
+    )
     print(f"{'PASS' if ok else 'FAIL'} {check}: {detail}", flush=True)
     return 0 if ok else 1
 
@@ -62,16 +64,21 @@ def default_model(out: Path, result: Path) -> int:
 
 def gpu_tests(out: Path, result: Path) -> int:
     report = out / "gpu_tests.xml"
-    code = run([sys.executable, "-m", "pytest", "tests/gpu", "-rA", "-p", "no:cacheprovider", f"--junitxml={report}"],
-               ENGINE_REQUIRE_GPU="1", ENGINE_REQUIRE_DEFAULT_MODEL="1")
+    code = run(
+        [sys.executable, "-m", "pytest", "tests/gpu", "-rA", "-p", "no:cacheprovider", f"--junitxml={report}"],
+        ENGINE_REQUIRE_GPU="1",
+        ENGINE_REQUIRE_DEFAULT_MODEL="1",
+    )
     if not report.is_file():
         return record(result, "pytest tests/gpu", False, f"pytest exit {code}, no JUnit report")
     suite = ElementTree.parse(report).getroot()
     suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
     counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    detail = (f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped "
-              f"(skips: flash-attn absent) -> gpu_tests.xml")
+    detail = (
+        f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped "
+        f"(skips: flash-attn absent) -> gpu_tests.xml"
+    )
     return record(result, "pytest tests/gpu", code == 0, detail, **counts)
 
 
@@ -84,16 +91,36 @@ def notebook_08(out: Path, result: Path) -> int:
 
 def benchmark_offline(out: Path, result: Path) -> int:
     report = out / "benchmark_offline.json"
-    code = run([sys.executable, "tools/benchmark_offline.py", "--stage", "8", "--workload", "a", "--quick",
-                "--time-limit", "60", "--json", str(report)])
+    code = run(
+        [
+            sys.executable,
+            "tools/benchmark_offline.py",
+            "--stage",
+            "8",
+            "--workload",
+            "a",
+            "--quick",
+            "--time-limit",
+            "60",
+            "--json",
+            str(report),
+        ]
+    )
     detail = f"exit {code}"
     if report.is_file():
         rows = json.loads(report.read_text())["workloads"]
-        detail += "; " + "; ".join(f"{w['name']}: " + ", ".join(f"{k} {v}" for k, v in w["ratios"].items()) for w in rows)
+        detail += "; " + "; ".join(
+            f"{w['name']}: " + ", ".join(f"{k} {v}" for k, v in w["ratios"].items()) for w in rows
+        )
     return record(result, "stage 8 offline throughput vs transformers", code == 0, detail)
 
 
-PARTS = {"default-model": default_model, "gpu-tests": gpu_tests, "notebook-08": notebook_08, "benchmark-offline": benchmark_offline}
+PARTS = {
+    "default-model": default_model,
+    "gpu-tests": gpu_tests,
+    "notebook-08": notebook_08,
+    "benchmark-offline": benchmark_offline,
+}
 
 if __name__ == "__main__":
     part, out, result = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])

@@ -18,6 +18,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import impl_switch  # noqa: E402
@@ -34,11 +35,17 @@ from s02_request_and_sampling.sampling_params import SamplingParams  # noqa: E40
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend  # noqa: E402
 from s08_cuda_graph.cuda_graph_runner import DUMMY_SLOT, capture_bs_buckets, kv_len_buckets  # noqa: E402
 from s08_cuda_graph.decode_latency import (  # noqa: E402
-    PATHS, QWEN3_0_6B, SMALL_QWEN3, SMALL_SMOLLM2, SMOLLM2_135M, decode_step_latency, random_model,
+    PATHS,
+    QWEN3_0_6B,
+    SMALL_QWEN3,
+    SMALL_SMOLLM2,
+    SMOLLM2_135M,
+    decode_step_latency,
+    random_model,
 )
 from s08_cuda_graph.engine import Engine  # noqa: E402
-from s08_cuda_graph.model_runner import ModelRunner  # noqa: E402
-from s10_overlap_scheduling.engine import Engine as OverlapEngine  # noqa: E402
+from s08_cuda_graph.model_runner import GraphModelRunner  # noqa: E402
+from s10_overlap_scheduling.engine import OverlapEngine  # noqa: E402
 
 READ_SLOTS = 16384  # K/V slots filled with random values that decodes read and never write
 
@@ -54,7 +61,7 @@ class Checks:
     @contextmanager
     def check(self, name: str):
         """Run a check's body; it fills record["detail"] / ["data"] and may set ["status"]."""
-        record = {"check": name, "status": "PASS", "detail": "", "data": {}}
+        record: dict[str, Any] = {"check": name, "status": "PASS", "detail": "", "data": {}}
         start = time.perf_counter()
         print(f"--- {name}", flush=True)
         try:
@@ -99,15 +106,28 @@ def decode_batch(runner, n: int, kv_len: int, write_from: int, generator: torch.
         table[row, length - 1] = write_from + row
     tokens = torch.randint(0, runner.model.config.vocab_size, (n,), generator=generator).tolist()
     out_cache_loc = torch.arange(write_from, write_from + n, device=device)
-    return ForwardBatch.build([[t] for t in tokens], [length - 1 for length in lens], runner.attn_backend, device=device,
-                              req_pool_indices=list(range(n)), out_cache_loc=out_cache_loc)
+    return ForwardBatch.build(
+        [[t] for t in tokens],
+        [length - 1 for length in lens],
+        runner.attn_backend,
+        device=device,
+        req_pool_indices=list(range(n)),
+        out_cache_loc=out_cache_loc,
+    )
 
 
 def eager_logits(runner, batch: ForwardBatch) -> torch.Tensor:
     """The same decode through stage 4's per-request attention over the same pool."""
     backend = PagedAttentionBackend(runner.req_to_token_pool, runner.token_to_kv_pool)
-    ref = ForwardBatch(batch.input_ids, batch.positions, batch.extend_lens, batch.seq_lens, backend,
-                       batch.req_pool_indices, batch.out_cache_loc)
+    ref = ForwardBatch(
+        batch.input_ids,
+        batch.positions,
+        batch.extend_lens,
+        batch.seq_lens,
+        backend,
+        batch.req_pool_indices,
+        batch.out_cache_loc,
+    )
     backend.init_forward_metadata(ref)
     return runner.model(ref)
 
@@ -117,14 +137,23 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return (1e-3, 1e-3) if dtype == torch.float32 else (0.06, 0.03)
 
 
-def graph_runner(ctx: Checks, model, max_bs: int | None = None, max_kv: int | None = None) -> ModelRunner:
+def graph_runner(ctx: Checks, model, max_bs: int | None = None, max_kv: int | None = None) -> GraphModelRunner:
     """A stage-8 runner with graphs for every bucket up to (max_bs, max_kv) (default: the mode's
     limits), and a pool with room for the read-only region plus every bucket's new tokens."""
     default_bs, default_kv = ctx.graph_limits()
     max_bs, max_kv = max_bs or default_bs, max_kv or default_kv
-    writes = sum(capture_bs_buckets(max_bs)) * len(kv_len_buckets(max_kv)) + max_bs  # every bucket once, and the padded check
-    return ModelRunner(model, pool_size=READ_SLOTS + writes, max_running_requests=max_bs, max_context_len=max_kv,
-                       attention_backend="torch", cuda_graph_max_bs=max_bs, cuda_graph_max_kv_len=max_kv)
+    writes = (
+        sum(capture_bs_buckets(max_bs)) * len(kv_len_buckets(max_kv)) + max_bs
+    )  # every bucket once, and the padded check
+    return GraphModelRunner(
+        model,
+        pool_size=READ_SLOTS + writes,
+        max_running_requests=max_bs,
+        max_context_len=max_kv,
+        attention_backend="torch",
+        cuda_graph_max_bs=max_bs,
+        cuda_graph_max_kv_len=max_kv,
+    )
 
 
 @torch.inference_mode()
@@ -136,13 +165,19 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
             runner = graph_runner(ctx, model)
             graphs = runner.cuda_graph_runner
             record["detail"] = graphs.describe()
-            record["data"] = {"buckets": len(graphs.batches), "graphs": len(graphs.graphs), "capture_seconds": graphs.capture_seconds,
-                              "graph_memory_mib": graphs.graph_memory_bytes / 2**20}
+            record["data"] = {
+                "buckets": len(graphs.batches),
+                "graphs": len(graphs.graphs),
+                "capture_seconds": graphs.capture_seconds,
+                "graph_memory_mib": graphs.graph_memory_bytes / 2**20,
+            }
             expected = len(graphs.capture_bs) * len(graphs.capture_kv_lens)
             captured = len(graphs.graphs) if graphs.use_cuda_graph else len(graphs.batches)
             if captured != expected or (graphs.use_cuda_graph and list(graphs.graphs) != graphs.buckets):
                 record["status"] = "FAIL"
-                record["detail"] += f"; expected {expected} buckets captured largest first, got {list(graphs.graphs)[:6]}..."
+                record["detail"] += (
+                    f"; expected {expected} buckets captured largest first, got {list(graphs.graphs)[:6]}..."
+                )
         if runner is None:
             continue
         graphs = runner.cuda_graph_runner
@@ -162,7 +197,9 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
                     batch = decode_batch(runner, n, kv_len, write_from, generator)
                     write_from += n
                     got = runner.forward(batch)
-                    assert runner.last_forward_path == "graph", f"bucket ({bs}, {kv_len}) took the {runner.last_forward_path} path"
+                    assert runner.last_forward_path == "graph", (
+                        f"bucket ({bs}, {kv_len}) took the {runner.last_forward_path} path"
+                    )
                     expected = eager_logits(runner, batch)
                     diff = (got - expected).abs().max().item()
                     worst[f"{bs}x{kv_len}"] = diff
@@ -171,7 +208,10 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
                     if not diff <= absolute + relative * expected.abs().max().item():
                         failures.append(f"({bs}, {kv_len}): {diff:.3g}")
             record["data"] = {"max_abs_diff_per_bucket": worst}
-            record["detail"] = f"{len(worst)} buckets, largest difference {max(worst.values()):.3g} (tolerance {absolute} + {relative} x max|logit|)"
+            record["detail"] = (
+                f"{len(worst)} buckets, largest difference {max(worst.values()):.3g} (tolerance {absolute} + "
+                f"{relative} x max|logit|)"
+            )
             if failures:
                 record["status"], record["detail"] = "FAIL", record["detail"] + f"; over it: {', '.join(failures[:8])}"
         with ctx.check(f"{label}: earlier graphs replayed after later ones") as record:
@@ -182,12 +222,16 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
                 runner.req_to_token_pool.req_to_token[: len(rows)] = rows  # later batches reused the table rows
                 again.append((bucket, (runner.forward(batch) - before).abs().max().item()))
             record["data"] = {"replays": again}
-            record["detail"] = ", ".join(f"{b}: {d:.3g}" for b, d in again) + " (difference from the first replay of each)"
+            record["detail"] = (
+                ", ".join(f"{b}: {d:.3g}" for b, d in again) + " (difference from the first replay of each)"
+            )
             if any(d != 0 for _, d in again):
                 record["status"] = "FAIL"
         with ctx.check(f"{label}: padded rows write only the dummy slot") as record:
             bs = graphs.capture_bs[-1]
-            n = graphs.capture_bs[-2] + 1 if len(graphs.capture_bs) > 1 else bs  # the most padding the largest bucket has
+            n = (
+                graphs.capture_bs[-2] + 1 if len(graphs.capture_bs) > 1 else bs
+            )  # the most padding the largest bucket has
             batch = decode_batch(runner, n, graphs.capture_kv_lens[0], write_from, generator)
             before = [t.clone() for t in pool.k_buffer + pool.v_buffer]
             runner.forward(batch)
@@ -197,7 +241,10 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
                 changed |= set((old != now).flatten(1).any(dim=1).nonzero().flatten().tolist())
             allowed = set(batch.out_cache_loc.tolist()) | set(range(DUMMY_SLOT, runner.page_size))
             stray = sorted(changed - allowed)
-            record["detail"] = f"{n} requests padded to {bs}: slots written {sorted(changed)[:6]}...; outside the real rows' and the dummy: {stray[:8]}"
+            record["detail"] = (
+                f"{n} requests padded to {bs}: slots written {sorted(changed)[:6]}...; outside the real rows' and "
+                f"the dummy: {stray[:8]}"
+            )
             if stray or not set(batch.out_cache_loc.tolist()) <= changed:
                 record["status"] = "FAIL"
         del runner, model
@@ -226,8 +273,13 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
     limits = torch.randint(most_new // 2, most_new, (count,), generator=generator).tolist()
     params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in limits]
     max_bs, max_kv = ctx.graph_limits()
-    knobs = dict(pool_size=8192, max_running_requests=count, chunked_prefill_size=256, cuda_graph_max_bs=max_bs,
-                 cuda_graph_max_kv_len=max_kv)
+    knobs: dict[str, Any] = dict(
+        pool_size=8192,
+        max_running_requests=count,
+        chunked_prefill_size=256,
+        cuda_graph_max_bs=max_bs,
+        cuda_graph_max_kv_len=max_kv,
+    )
     with ctx.check(f"{label}: engine tokens with graphs = without") as record:
         with_graphs = Engine(model, None, disable_cuda_graph=False, **knobs)
         got = [o.output_ids for o in with_graphs.generate(prompts, params)]
@@ -236,19 +288,25 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
         paths = dict(with_graphs.runner.forward_paths)
         assert paths.get("graph", 0) > 0, f"no decode took the graph path: {paths}"
         same = sum(a == b for a, b in zip(got, expected))
-        ties, problems = [], []
+        ties: list[str] = []
+        problems: list[str] = []
         for i, (a, b) in enumerate(zip(got, expected)):
             if a == b:
                 continue
             j = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
             gap = logit_gap(model, prompts[i], b[:j], a[j], b[j])
-            (ties if dtype != torch.float32 and gap <= 0.1 else problems).append(f"request {i} at token {j} (logit gap {gap:.3g})")
+            (ties if dtype != torch.float32 and gap <= 0.1 else problems).append(
+                f"request {i} at token {j} (logit gap {gap:.3g})"
+            )
         record["data"] = {"identical": same, "requests": count, "paths": paths, "near_ties": ties, "problems": problems}
         record["detail"] = f"{same}/{count} requests identical, decodes {paths}"
         if ties:
             record["detail"] += f"; the others part at near-ties of the eager logits: {', '.join(ties[:4])}"
         if problems:
-            record["status"], record["detail"] = "FAIL", record["detail"] + f"; differ beyond rounding: {', '.join(problems[:4])}"
+            record["status"], record["detail"] = (
+                "FAIL",
+                record["detail"] + f"; differ beyond rounding: {', '.join(problems[:4])}",
+            )
 
 
 # --- stage 10: the overlapped engine on its forward stream ---------------------------------------
@@ -266,8 +324,13 @@ def step_overlap(ctx: Checks) -> None:
     prompts = [torch.randint(0, shape["vocab_size"], (16,), generator=generator).tolist() for _ in range(count)]
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     max_bs, max_kv = ctx.graph_limits()
-    knobs = dict(pool_size=8192, max_running_requests=count, cuda_graph_max_bs=max_bs, cuda_graph_max_kv_len=max_kv,
-                 disable_cuda_graph=False)
+    knobs: dict[str, Any] = dict(
+        pool_size=8192,
+        max_running_requests=count,
+        cuda_graph_max_bs=max_bs,
+        cuda_graph_max_kv_len=max_kv,
+        disable_cuda_graph=False,
+    )
     with ctx.check(f"{label}: overlapped engine tokens = stage 8's; throughput overlap off vs on") as record:
         expected = [o.output_ids for o in Engine(model, None, **knobs).generate(prompts, params)]
         seconds = {}
@@ -281,12 +344,21 @@ def step_overlap(ctx: Checks) -> None:
             if name == "on":
                 paths = dict(engine.runner.forward_paths)
                 assert paths.get("graph", 0) > 0, f"no decode replayed a graph inside the worker: {paths}"
-                assert (engine.scheduler.worker.stream is not None) == (ctx.device.type == "cuda"), "the worker's stream"
+                assert (engine.scheduler.worker.stream is not None) == (ctx.device.type == "cuda"), (
+                    "the worker's stream"
+                )
         tokens = count * new
-        record["data"] = {"requests": count, "new_tokens": new, "seconds": seconds, "paths": paths,
-                          "tokens_per_s": {k: tokens / v for k, v in seconds.items()}}
-        record["detail"] = (f"tokens identical; {tokens / seconds['off']:.0f} tok/s off, {tokens / seconds['on']:.0f} on "
-                            f"({seconds['off'] / seconds['on']:.2f}x), decodes {paths}")
+        record["data"] = {
+            "requests": count,
+            "new_tokens": new,
+            "seconds": seconds,
+            "paths": paths,
+            "tokens_per_s": {k: tokens / v for k, v in seconds.items()},
+        }
+        record["detail"] = (
+            f"tokens identical; {tokens / seconds['off']:.0f} tok/s off, {tokens / seconds['on']:.0f} on "
+            f"({seconds['off'] / seconds['on']:.2f}x), decodes {paths}"
+        )
 
 
 # --- which SDPA kernel the graph decode runs ----------------------------------------------------
@@ -298,7 +370,9 @@ def attention_ops(run) -> list[str]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as profile:
         run()
-    return sorted({e.name for e in profile.events() if "attention" in e.name and e.name != "aten::scaled_dot_product_attention"})
+    return sorted(
+        {e.name for e in profile.events() if "attention" in e.name and e.name != "aten::scaled_dot_product_attention"}
+    )
 
 
 @torch.inference_mode()
@@ -317,13 +391,22 @@ def step_sdpa(ctx: Checks) -> None:
                 record["data"]["bucket"] = (8, kv_len)
                 bucket = graphs.replay_prepare(batch)
                 # the bucket's static batch, run eagerly: the operators its graph recorded
-                selected = attention_ops(lambda: graphs.model(graphs.batches[bucket], return_all_logits=True))
+
+                def run_static(model=graphs.model, batch=graphs.batches[bucket]):
+                    return model(batch, return_all_logits=True)
+
+                selected = attention_ops(run_static)
                 bs, length = bucket
                 q = torch.randn(bs, heads, 1, head_dim, device=ctx.device, dtype=dtype)
                 k = torch.randn(bs, length, kv_heads, head_dim, device=ctx.device, dtype=dtype).transpose(1, 2)
                 mask = torch.rand(bs, 1, 1, length, device=ctx.device) < 0.9
                 eligible = {}
-                for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+                for backend in (
+                    SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.MATH,
+                ):
                     try:
                         with sdpa_kernel([backend]):
                             F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
@@ -338,7 +421,8 @@ def step_sdpa(ctx: Checks) -> None:
                         record["data"].setdefault("refusals", {})[backend.name] = str(error)[:400]
                 record["data"].update(selected=selected, backends=eligible)
                 record["detail"] = f"bucket {bucket}: runs {selected or ['(none seen)']}; each alone: " + ", ".join(
-                    f"{name} {how}" for name, how in eligible.items())
+                    f"{name} {how}" for name, how in eligible.items()
+                )
 
 
 # --- decode latency ----------------------------------------------------------------------------
@@ -353,7 +437,7 @@ def step_latency(ctx: Checks) -> None:
         with ctx.check(f"{label}, bfloat16: decode step latency, context {context_len}") as record:
             rows = []
             for bs in sizes:
-                row = {"batch_size": bs}
+                row: dict[str, Any] = {"batch_size": bs}
                 for path in PATHS:
                     result = decode_step_latency(model, bs, context_len, path, steps=steps, warmup=2)
                     row[f"{path}_ms"] = round(1000 * result["seconds"], 3)
@@ -364,8 +448,11 @@ def step_latency(ctx: Checks) -> None:
                 print(row, flush=True)
             record["data"] = {"rows": rows, "device": describe(ctx.device)}
             record["detail"] = "; ".join(
-                f"bs {r['batch_size']}: loop {r['loop_ms']:.2f} / batched {r['batched_ms']:.2f} / graph {r['graph_ms']:.2f} ms "
-                f"({r['graph_speedup']:.2f}x)" for r in rows)
+                f"bs {r['batch_size']}: loop {r['loop_ms']:.2f} / batched {r['batched_ms']:.2f} / graph "
+                f"{r['graph_ms']:.2f} ms "
+                f"({r['graph_speedup']:.2f}x)"
+                for r in rows
+            )
         del model
 
 

@@ -69,16 +69,24 @@ def first_error(report: Path) -> str | None:
     return None
 
 
-def grade_checkout(checkout: Path, root: Path, test_dirs: dict[int, Path], stages: list[int], report: Path,
-                   isolated: bool) -> dict[str, str]:
+def grade_checkout(
+    checkout: Path, root: Path, test_dirs: dict[int, Path], stages: list[int], report: Path, isolated: bool
+) -> dict[str, str]:
     """Run the chosen stages' tests on ``checkout``; write ``report``; return each test's outcome."""
-    def env(reference_upto: int):
-        return child_env(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto),
-                         ENGINE_STAGES_DIR=str(checkout / "stages"), ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
 
-    runs = [([str(test_dirs[n]) for n in stages], 0, report)] if not isolated else [
-        ([str(test_dirs[n])], n - 1, report.with_name(f"{report.stem}.stage{n:02d}.xml")) for n in stages
-    ]
+    def env(reference_upto: int):
+        return child_env(
+            ENGINE_IMPL="stages",
+            ENGINE_REFERENCE_UPTO=str(reference_upto),
+            ENGINE_STAGES_DIR=str(checkout / "stages"),
+            ENGINE_SOLUTIONS_DIR=str(root / "solutions"),
+        )
+
+    runs = (
+        [([str(test_dirs[n]) for n in stages], 0, report)]
+        if not isolated
+        else [([str(test_dirs[n])], n - 1, report.with_name(f"{report.stem}.stage{n:02d}.xml")) for n in stages]
+    )
     outcomes: dict[str, str] = {}
     for paths, reference_upto, junit in runs:
         run = run_pytest(paths, env(reference_upto), junit=junit, root=root)
@@ -94,11 +102,18 @@ def grade_checkout(checkout: Path, root: Path, test_dirs: dict[int, Path], stage
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkouts", nargs="*", type=Path, default=[REPO], help="learners' repository folders (default: this one)")
-    parser.add_argument("--junit-dir", type=Path, default=REPO / "reports" / "grades", help="where the JUnit XML files go")
+    parser.add_argument(
+        "checkouts", nargs="*", type=Path, default=[REPO], help="learners' repository folders (default: this one)"
+    )
+    parser.add_argument(
+        "--junit-dir", type=Path, default=REPO / "reports" / "grades", help="where the JUnit XML files go"
+    )
     parser.add_argument("--stages", type=parse_stages, help="which stages, e.g. 1-4 (default: all with tests)")
-    parser.add_argument("--isolated", action="store_true",
-                        help="score stage N on the reference stages 1..N-1 (default: on the learner's own)")
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="score stage N on the reference stages 1..N-1 (default: on the learner's own)",
+    )
     parser.add_argument("--root", type=Path, default=REPO, help=argparse.SUPPRESS)  # the machinery's own tests
     args = parser.parse_args(argv)
     root = args.root.resolve()
@@ -109,12 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         print("no graded tests (tests/stageNN/) for the chosen stages")
         return 1
     reference_env = child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
-    expected = Counter(stage_of(test) for test in collect([str(test_dirs[n]) for n in stages], reference_env, root=root))
+    expected = Counter(
+        stage_of(test) for test in collect([str(test_dirs[n]) for n in stages], reference_env, root=root)
+    )
     args.junit_dir.mkdir(parents=True, exist_ok=True)
-    print("scoring: " + ("isolated (stage N on the reference stages 1..N-1)" if args.isolated
-                         else "cumulative (every stage on the learner's own earlier stages; --isolated: on the reference)"))
+    print(
+        "scoring: "
+        + (
+            "isolated (stage N on the reference stages 1..N-1)"
+            if args.isolated
+            else "cumulative (every stage on the learner's own earlier stages; --isolated: on the reference)"
+        )
+    )
 
-    summary, taken = [], set()
+    summary: list[tuple] = []  # (checkout, points, total), None when it could not be graded
+    taken: set[str] = set()
     for checkout in (c.resolve() for c in args.checkouts):
         report = args.junit_dir / f"{report_name(checkout, taken)}.xml"
         print(f"\n== {checkout}")
@@ -124,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             summary.append((checkout, None, None))
             continue
         outcomes = grade_checkout(checkout, root, test_dirs, stages, report, args.isolated)
-        passed, skipped, errored = (Counter(stage_of(t) for t, outcome in outcomes.items() if outcome == kind)
-                                    for kind in ("passed", "skipped", "error"))
+        passed, skipped, errored = (
+            Counter(stage_of(t) for t, outcome in outcomes.items() if outcome == kind)
+            for kind in ("passed", "skipped", "error")
+        )
         ran = Counter(stage_of(t) for t in outcomes)
         print(f"   {'stage':>5}  {'passed/total':>12}  {'skipped':>7}  {'errors':>6}")
         for n in stages:

@@ -36,7 +36,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SWITCH_SITE = Path(__file__).resolve().parent / "switch_site"
-SWITCH_VARS = ("ENGINE_IMPL", "ENGINE_REFERENCE_UPTO", "ENGINE_STAGES_DIR", "ENGINE_SOLUTIONS_DIR")  # the settings read below
+SWITCH_VARS = (
+    "ENGINE_IMPL",
+    "ENGINE_REFERENCE_UPTO",
+    "ENGINE_STAGES_DIR",
+    "ENGINE_SOLUTIONS_DIR",
+)  # the settings read below
 IMPLS = {"solutions": "the reference code (default)", "stages": "your code in stages/"}
 STAGE_PACKAGE = re.compile(r"s(\d\d)_\w+")
 
@@ -140,8 +145,7 @@ class StageFinder:
         spec = importlib.machinery.PathFinder.find_spec(fullname, [str(tree)])
         if spec is None:
             raise ModuleNotFoundError(
-                f"No module named {fullname!r} in the {tree_name} tree ({tree}); "
-                f"{self.switch.describe()}",
+                f"No module named {fullname!r} in the {tree_name} tree ({tree}); {self.switch.describe()}",
                 name=fullname,
             )
         return spec

@@ -52,9 +52,20 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="engine-lab-") as data_dir:
         write_kernel_spec(Path(data_dir), switch, os.environ["PYTHONPATH"])
         os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [data_dir, os.environ.get("JUPYTER_PATH")]))
-        print(f"JupyterLab on {NOTEBOOKS}, kernel: engine {engine_line(switch)}; Ctrl-C stops it", file=sys.stderr, flush=True)
-        command = [sys.executable, "-m", "jupyterlab", "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={NOTEBOOKS}",
-                   f"--MappingKernelManager.default_kernel_name={KERNEL_NAME}", *argv]
+        print(
+            f"JupyterLab on {NOTEBOOKS}, kernel: engine {engine_line(switch)}; Ctrl-C stops it",
+            file=sys.stderr,
+            flush=True,
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.root_dir={NOTEBOOKS}",
+            f"--MappingKernelManager.default_kernel_name={KERNEL_NAME}",
+            *argv,
+        ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             command.append("--allow-root")  # containers and CI run as root; the server still listens on localhost only
         lab = subprocess.Popen(command)

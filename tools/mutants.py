@@ -57,353 +57,654 @@ def edit(old: str, new: str) -> tuple[tuple[str, str], ...]:
 
 MUTANTS: list[Mutant] = [
     # --- stage 1: naive generation -------------------------------------------------------------
-    Mutant("s01-last-token-only", "s01_naive_generate/generate.py",
-           "every step recomputes the WHOLE sequence (there is no cache yet): feeding only the newest token loses the context",
-           edit("ForwardBatch.build([list(token_ids)], prefix_lens=[0]", "ForwardBatch.build([list(token_ids)[-1:]], prefix_lens=[0]"),
-           r"logits for the next token differ"),
-    Mutant("s01-eos-dropped", "s01_naive_generate/generate.py",
-           "the EOS token ends the output and is kept in it, as transformers keeps it",
-           edit("""        next_id = int(torch.argmax(next_token_logits(model, tokens)))
-        tokens.append(next_id)""", """        next_id = int(torch.argmax(next_token_logits(model, tokens)))
+    Mutant(
+        "s01-last-token-only",
+        "s01_naive_generate/generate.py",
+        "every step recomputes the WHOLE sequence (there is no cache yet): feeding only the newest token loses the "
+        "context",
+        edit(
+            "ForwardBatch.build([list(token_ids)], prefix_lens=[0]",
+            "ForwardBatch.build([list(token_ids)[-1:]], prefix_lens=[0]",
+        ),
+        r"logits for the next token differ",
+    ),
+    Mutant(
+        "s01-eos-dropped",
+        "s01_naive_generate/generate.py",
+        "the EOS token ends the output and is kept in it, as transformers keeps it",
+        edit(
+            """        next_id = int(torch.argmax(next_token_logits(model, tokens)))
+        tokens.append(next_id)""",
+            """        next_id = int(torch.argmax(next_token_logits(model, tokens)))
         if next_id in eos_token_ids:
             break
-        tokens.append(next_id)"""),
-           r"EOS"),
-    Mutant("s01-one-token-short", "s01_naive_generate/generate.py",
-           "without an EOS, generation runs to exactly max_new_tokens",
-           edit("for _ in range(max_new_tokens):", "for _ in range(max_new_tokens - 1):"),
-           r"stops too early|max_new_tokens"),
-    Mutant("s01-new-token-not-fed-back", "s01_naive_generate/generate.py",
-           "each step feeds the sequence INCLUDING the token just chosen",
-           edit("        tokens.append(next_id)\n        new_tokens.append(next_id)", "        new_tokens.append(next_id)"),
-           r"step \d+: your engine produced token"),
-    Mutant("s01-argmin", "s01_naive_generate/generate.py",
-           "greedy decoding picks the MOST likely token (argmax over the vocabulary)",
-           edit("next_id = int(torch.argmax(next_token_logits(model, tokens)))", "next_id = int(torch.argmin(next_token_logits(model, tokens)))"),
-           r"step 0: your engine produced token"),
-
+        tokens.append(next_id)""",
+        ),
+        r"EOS",
+    ),
+    Mutant(
+        "s01-one-token-short",
+        "s01_naive_generate/generate.py",
+        "without an EOS, generation runs to exactly max_new_tokens",
+        edit("for _ in range(max_new_tokens):", "for _ in range(max_new_tokens - 1):"),
+        r"stops too early|max_new_tokens",
+    ),
+    Mutant(
+        "s01-new-token-not-fed-back",
+        "s01_naive_generate/generate.py",
+        "each step feeds the sequence INCLUDING the token just chosen",
+        edit(
+            "        tokens.append(next_id)\n        new_tokens.append(next_id)", "        new_tokens.append(next_id)"
+        ),
+        r"step \d+: your engine produced token",
+    ),
+    Mutant(
+        "s01-argmin",
+        "s01_naive_generate/generate.py",
+        "greedy decoding picks the MOST likely token (argmax over the vocabulary)",
+        edit(
+            "next_id = int(torch.argmax(next_token_logits(model, tokens)))",
+            "next_id = int(torch.argmin(next_token_logits(model, tokens)))",
+        ),
+        r"step 0: your engine produced token",
+    ),
     # --- stage 2: requests and sampling --------------------------------------------------------
-    Mutant("s02-seed-no-upper-bound", "s02_request_and_sampling/sampling_params.py",
-           "a seed must fit torch's unsigned 64-bit generator: refuse seeds above 2**64 - 1 when the params are built",
-           edit("if not 0 <= self.seed <= MAX_SEED:", "if not 0 <= self.seed:"),
-           r"seed=18446744073709551616\) was accepted"),
-    Mutant("s02-top-p-drops-the-head", "s02_request_and_sampling/sampler.py",
-           "top-p keeps a token when the tokens MORE likely than it hold less than top_p: the most likely token always stays",
-           edit("keep_sorted = (mass_before < top_p) | (top_p >= 1)", "keep_sorted = (sorted_probs.cumsum(dim=-1) < top_p) | (top_p >= 1)"),
-           r"top.?p"),
-    Mutant("s02-min-p-absolute", "s02_request_and_sampling/sampler.py",
-           "min-p is relative: a token needs min_p times the probability of the row's MOST likely token",
-           edit("return probs >= min_p.to(probs.device, probs.dtype)[:, None] * p_max", "return probs >= min_p.to(probs.device, probs.dtype)[:, None]"),
-           r"min.?p"),
-    Mutant("s02-top-k-one-extra", "s02_request_and_sampling/sampler.py",
-           "top-k keeps exactly k tokens",
-           edit("keep_sorted = rank < k[:, None]", "keep_sorted = rank <= k[:, None]"),
-           r"top.?k"),
-    Mutant("s02-temperature-ignored", "s02_request_and_sampling/sampler.py",
-           "temperature divides the logits before the softmax",
-           edit("probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)", "probs = torch.softmax(logits.float(), dim=-1)"),
-           r"temperature"),
-    Mutant("s02-global-rng", "s02_request_and_sampling/sampler.py",
-           "each request draws from its OWN generator, so its tokens depend on its seed alone",
-           edit("torch.rand(1, generator=req.generator)", "torch.rand(1)"),
-           r"seed"),
-    Mutant("s02-stop-string-window-too-short", "s02_request_and_sampling/req.py",
-           "a stop string may START in text produced before this step: search from (longest stop - 1) characters back",
-           edit("start = max(0, len(text) - new_len - (max(map(len, stops)) - 1))", "start = max(0, len(text) - new_len)"),
-           r"stop"),
-    Mutant("s02-length-before-stop-token", "s02_request_and_sampling/req.py",
-           "a stop token / EOS is checked before max_new_tokens: a stop token at the limit finishes with 'stop'",
-           edit("""        params = self.sampling_params
+    Mutant(
+        "s02-seed-no-upper-bound",
+        "s02_request_and_sampling/sampling_params.py",
+        "a seed must fit torch's unsigned 64-bit generator: refuse seeds above 2**64 - 1 when the params are built",
+        edit("if not 0 <= self.seed <= MAX_SEED:", "if not 0 <= self.seed:"),
+        r"seed=18446744073709551616\) was accepted",
+    ),
+    Mutant(
+        "s02-top-p-drops-the-head",
+        "s02_request_and_sampling/sampler.py",
+        "top-p keeps a token when the tokens MORE likely than it hold less than top_p: the most likely token always "
+        "stays",
+        edit(
+            "keep_sorted = (mass_before < top_p) | (top_p >= 1)",
+            "keep_sorted = (sorted_probs.cumsum(dim=-1) < top_p) | (top_p >= 1)",
+        ),
+        r"top.?p",
+    ),
+    Mutant(
+        "s02-min-p-absolute",
+        "s02_request_and_sampling/sampler.py",
+        "min-p is relative: a token needs min_p times the probability of the row's MOST likely token",
+        edit(
+            "return probs >= min_p.to(probs.device, probs.dtype)[:, None] * p_max",
+            "return probs >= min_p.to(probs.device, probs.dtype)[:, None]",
+        ),
+        r"min.?p",
+    ),
+    Mutant(
+        "s02-top-k-one-extra",
+        "s02_request_and_sampling/sampler.py",
+        "top-k keeps exactly k tokens",
+        edit("keep_sorted = rank < k[:, None]", "keep_sorted = rank <= k[:, None]"),
+        r"top.?k",
+    ),
+    Mutant(
+        "s02-temperature-ignored",
+        "s02_request_and_sampling/sampler.py",
+        "temperature divides the logits before the softmax",
+        edit(
+            "probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)",
+            "probs = torch.softmax(logits.float(), dim=-1)",
+        ),
+        r"temperature",
+    ),
+    Mutant(
+        "s02-global-rng",
+        "s02_request_and_sampling/sampler.py",
+        "each request draws from its OWN generator, so its tokens depend on its seed alone",
+        edit("torch.rand(1, generator=req.generator)", "torch.rand(1)"),
+        r"seed",
+    ),
+    Mutant(
+        "s02-stop-string-window-too-short",
+        "s02_request_and_sampling/req.py",
+        "a stop string may START in text produced before this step: search from (longest stop - 1) characters back",
+        edit("start = max(0, len(text) - new_len - (max(map(len, stops)) - 1))", "start = max(0, len(text) - new_len)"),
+        r"stop",
+    ),
+    Mutant(
+        "s02-length-before-stop-token",
+        "s02_request_and_sampling/req.py",
+        "a stop token / EOS is checked before max_new_tokens: a stop token at the limit finishes with 'stop'",
+        edit(
+            """        params = self.sampling_params
         last = self.output_ids[-1]
-        if last""", """        params = self.sampling_params
+        if last""",
+            """        params = self.sampling_params
         last = self.output_ids[-1]
         if len(self.output_ids) >= params.max_new_tokens:
             self.finished_reason = FinishReason("length")
             return
-        if last"""),
-           r"stop"),
-    Mutant("s02-ignore-eos-ignored", "s02_request_and_sampling/req.py",
-           "ignore_eos=True keeps generating past the model's EOS token",
-           edit("if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):",
-                "if last in params.stop_token_ids or last in self.eos_token_ids:"),
-           r"ignore_eos"),
-
+        if last""",
+        ),
+        r"stop",
+    ),
+    Mutant(
+        "s02-ignore-eos-ignored",
+        "s02_request_and_sampling/req.py",
+        "ignore_eos=True keeps generating past the model's EOS token",
+        edit(
+            "if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):",
+            "if last in params.stop_token_ids or last in self.eos_token_ids:",
+        ),
+        r"ignore_eos",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
-    Mutant("s03-attend-new-tokens-only", "s03_kv_cache/backend.py",
-           "a step's queries attend over the WHOLE cache (the stored prefix plus the new tokens)",
-           edit("outputs.append(causal_attention(q[start:end], cache.k[layer_id, :seq_len], cache.v[layer_id, :seq_len]))",
-                "outputs.append(causal_attention(q[start:end], k[start:end], v[start:end]))"),
-           r"step \d+: your engine produced token|logits"),
-    Mutant("s03-grow-loses-the-prefix", "s03_kv_cache/kv_cache.py",
-           "growing the cache keeps every stored position (copy [0, seq_len) into the bigger buffer)",
-           edit("            new[:, : self.seq_len] = old[:, : self.seq_len]\n", ""),
-           r"grow|reserve|capacity"),
-    Mutant("s03-decode-the-last-token", "s03_kv_cache/generate.py",
-           "the last generated token is never fed back: nothing would ever read its K/V",
-           edit("if next_id in eos_token_ids or step == max_new_tokens - 1:", "if next_id in eos_token_ids:"),
-           r"positions|last token"),
-    Mutant("s03-cached-before-the-pass", "s03_kv_cache/generate.py",
-           "new positions count as cached only once the pass has written them (seq_len after the model ran)",
-           edit("""    logits = model(batch)
-    # Only now""", """    for cache, seq_len in zip(caches, batch.seq_lens):
+    Mutant(
+        "s03-attend-new-tokens-only",
+        "s03_kv_cache/backend.py",
+        "a step's queries attend over the WHOLE cache (the stored prefix plus the new tokens)",
+        edit(
+            "outputs.append(causal_attention(q[start:end], cache.k[layer_id, :seq_len], cache.v[layer_id, :seq_len]))",
+            "outputs.append(causal_attention(q[start:end], k[start:end], v[start:end]))",
+        ),
+        r"step \d+: your engine produced token|logits",
+    ),
+    Mutant(
+        "s03-grow-loses-the-prefix",
+        "s03_kv_cache/kv_cache.py",
+        "growing the cache keeps every stored position (copy [0, seq_len) into the bigger buffer)",
+        edit("            new[:, : self.seq_len] = old[:, : self.seq_len]\n", ""),
+        r"grow|reserve|capacity",
+    ),
+    Mutant(
+        "s03-decode-the-last-token",
+        "s03_kv_cache/generate.py",
+        "the last generated token is never fed back: nothing would ever read its K/V",
+        edit("if next_id in eos_token_ids or step == max_new_tokens - 1:", "if next_id in eos_token_ids:"),
+        r"positions|last token",
+    ),
+    Mutant(
+        "s03-cached-before-the-pass",
+        "s03_kv_cache/generate.py",
+        "new positions count as cached only once the pass has written them (seq_len after the model ran)",
+        edit(
+            """    logits = model(batch)
+    # Only now""",
+            """    for cache, seq_len in zip(caches, batch.seq_lens):
         cache.seq_len = seq_len
     logits = model(batch)
-    # Only now"""),
-           r"cached"),
-    Mutant("s03-cached-len-not-advanced", "s03_kv_cache/engine.py",
-           "after the pass the tokens just computed are cached (cached_len = device_len): the next step sends only what is new",
-           edit("""    for req in reqs:
+    # Only now""",
+        ),
+        r"cached",
+    ),
+    Mutant(
+        "s03-cached-len-not-advanced",
+        "s03_kv_cache/engine.py",
+        "after the pass the tokens just computed are cached (cached_len = device_len): the next step sends only what "
+        "is new",
+        edit(
+            """    for req in reqs:
         req.cached_len = req.device_len
-    next_ids""", """    next_ids"""),
-           r"cached"),
-    Mutant("s03-no-eos-stop", "s03_kv_cache/generate.py",
-           "generation stops at an EOS id (and keeps it), like stage 1",
-           edit("if next_id in eos_token_ids or step == max_new_tokens - 1:", "if step == max_new_tokens - 1:"),
-           r"EOS|goes on with"),
-
+    next_ids""",
+            """    next_ids""",
+        ),
+        r"cached",
+    ),
+    Mutant(
+        "s03-no-eos-stop",
+        "s03_kv_cache/generate.py",
+        "generation stops at an EOS id (and keeps it), like stage 1",
+        edit("if next_id in eos_token_ids or step == max_new_tokens - 1:", "if step == max_new_tokens - 1:"),
+        r"EOS|goes on with",
+    ),
     # --- stage 4: the paged KV pool -----------------------------------------------------------
-    Mutant("s04-offset-from-the-chunk-start", "s04_paged_kv_pool/allocator.py",
-           "position j of a request sits at offset j % page_size of its page (its last page is filled first)",
-           edit("out_cache_loc += [pages[j // p - first_page] * p + j % p for j in range(prefix, seq)]",
-                "out_cache_loc += [pages[j // p - first_page] * p + (j - prefix) % p for j in range(prefix, seq)]"),
-           r"offset"),
-    Mutant("s04-double-free-accepted", "s04_paged_kv_pool/allocator.py",
-           "freeing a page that is not allocated (a double free) is refused",
-           edit("        if not_allocated:\n            raise", "        if False:\n            raise"),
-           r"double free"),
-    Mutant("s04-free-changes-before-refusing", "s04_paged_kv_pool/allocator.py",
-           "a refused free changes nothing: check every page before freeing any",
-           edit("""        not_allocated = [page for page in pages if not self.page_allocated[page]]
+    Mutant(
+        "s04-offset-from-the-chunk-start",
+        "s04_paged_kv_pool/allocator.py",
+        "position j of a request sits at offset j % page_size of its page (its last page is filled first)",
+        edit(
+            "out_cache_loc += [pages[j // p - first_page] * p + j % p for j in range(prefix, seq)]",
+            "out_cache_loc += [pages[j // p - first_page] * p + (j - prefix) % p for j in range(prefix, seq)]",
+        ),
+        r"offset",
+    ),
+    Mutant(
+        "s04-double-free-accepted",
+        "s04_paged_kv_pool/allocator.py",
+        "freeing a page that is not allocated (a double free) is refused",
+        edit("        if not_allocated:\n            raise", "        if False:\n            raise"),
+        r"double free",
+    ),
+    Mutant(
+        "s04-free-changes-before-refusing",
+        "s04_paged_kv_pool/allocator.py",
+        "a refused free changes nothing: check every page before freeing any",
+        edit(
+            """        not_allocated = [page for page in pages if not self.page_allocated[page]]
         if not_allocated:
             raise ValueError(
                 f"cannot free page(s) {not_allocated[:8]} (slots {[q * p for q in not_allocated[:8]]}...): "
                 "they are not allocated - a double free, or slots this allocator never handed out"
             )
         self.page_allocated[pages] = False
-        self.free_pages.extend(pages)""", """        for page in pages:
+        self.free_pages.extend(pages)""",
+            """        for page in pages:
             if not self.page_allocated[page]:
                 raise ValueError(f"cannot free page {page}: it is not allocated (a double free?)")
             self.page_allocated[page] = False
-            self.free_pages.append(page)"""),
-           r"must leave the allocator as it was"),
-    Mutant("s04-release-keeps-the-slots", "s04_paged_kv_pool/engine.py",
-           "a finished request gives back its slots, not only its table row",
-           edit("        self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[row, : req.cached_len])\n", ""),
-           r"leak|release"),
-    Mutant("s04-release-keeps-the-row", "s04_paged_kv_pool/engine.py",
-           "a finished request gives back its table row, not only its slots",
-           edit("        self.runner.req_to_token_pool.free(row)\n        # END EXERCISE", "        # END EXERCISE"),
-           r"table row"),
-    Mutant("s04-table-not-written", "s04_paged_kv_pool/engine.py",
-           "the request's new slots go into its req_to_token row BEFORE the pass: attention reads K/V through the table",
-           edit("        table[row, prefix_len:seq_len] = out_cache_loc[start : start + seq_len - prefix_len]\n", ""),
-           r"logits differ from transformers|step \d+: your engine produced"),
-    Mutant("s04-not-marked-cached", "s04_paged_kv_pool/engine.py",
-           "after the pass the computed tokens are cached (cached_len = device_len)",
-           edit("""        for req in self.running:
+            self.free_pages.append(page)""",
+        ),
+        r"must leave the allocator as it was",
+    ),
+    Mutant(
+        "s04-release-keeps-the-slots",
+        "s04_paged_kv_pool/engine.py",
+        "a finished request gives back its slots, not only its table row",
+        edit(
+            "        self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[row, : req.cached_len])\n",
+            "",
+        ),
+        r"leak|release",
+    ),
+    Mutant(
+        "s04-release-keeps-the-row",
+        "s04_paged_kv_pool/engine.py",
+        "a finished request gives back its table row, not only its slots",
+        edit(
+            "        self.runner.req_to_token_pool.free(row)\n        req.req_pool_idx = None",
+            "        req.req_pool_idx = None",
+        ),
+        r"table row",
+    ),
+    Mutant(
+        "s04-table-not-written",
+        "s04_paged_kv_pool/engine.py",
+        "the request's new slots go into its req_to_token row BEFORE the pass: attention reads K/V through the table",
+        edit("        table[row, prefix_len:seq_len] = out_cache_loc[start : start + seq_len - prefix_len]\n", ""),
+        r"logits differ from transformers|step \d+: your engine produced",
+    ),
+    Mutant(
+        "s04-not-marked-cached",
+        "s04_paged_kv_pool/engine.py",
+        "after the pass the computed tokens are cached (cached_len = device_len)",
+        edit(
+            """        for req in self.running:
             req.cached_len = req.device_len
-        for req, token_id""", """        for req, token_id"""),
-           r"cached|extend_lens"),
-
+        for req, token_id""",
+            """        for req, token_id""",
+        ),
+        r"cached|extend_lens",
+    ),
     # --- stage 5: continuous batching ---------------------------------------------------------
-    Mutant("s05-admit-no-future", "s05_continuous_batching/scheduler.py",
-           "admission keeps room for an admitted request's own future tokens (need = prefill + future_slots)",
-           edit("need = prefill_slots + self.future_slots(req)", "need = prefill_slots"),
-           r"future"),
-    Mutant("s05-overtake-the-head", "s05_continuous_batching/scheduler.py",
-           "first come, first served: the first request that does not fit stops admission, nobody overtakes it",
-           (("""        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
-            req = self.waiting[0]""", """        for req in list(self.waiting):
+    Mutant(
+        "s05-admit-no-future",
+        "s05_continuous_batching/scheduler.py",
+        "admission keeps room for an admitted request's own future tokens (need = prefill + future_slots)",
+        edit("need = prefill_slots + self.future_slots(req)", "need = prefill_slots"),
+        r"future",
+    ),
+    Mutant(
+        "s05-overtake-the-head",
+        "s05_continuous_batching/scheduler.py",
+        "first come, first served: the first request that does not fit stops admission, nobody overtakes it",
+        (
+            (
+                """        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+            req = self.waiting[0]""",
+                """        for req in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_running_requests:
-                break"""),
-            ("""            if need > room and not (first_alone and prefill_slots <= room):
+                break""",
+            ),
+            (
+                """            if need > room and not (first_alone and prefill_slots <= room):
                 break
-            self.waiting.popleft()""", """            if need > room and not (first_alone and prefill_slots <= room):
+            self.waiting.popleft()""",
+                """            if need > room and not (first_alone and prefill_slots <= room):
                 continue
-            self.waiting.remove(req)""")),
-           r"overtook"),
-    Mutant("s05-retract-the-oldest", "s05_continuous_batching/scheduler.py",
-           "the most recently admitted request is retracted first",
-           edit("req = self.running.pop()", "req = self.running.pop(0)"),
-           r"most recently admitted"),
-    Mutant("s05-retracted-to-the-back", "s05_continuous_batching/scheduler.py",
-           "a retracted request waits at the FRONT of the queue (it keeps its place)",
-           edit("self.waiting.appendleft(req)\n            retracted.append(req)", "self.waiting.append(req)\n            retracted.append(req)"),
-           r"front of the waiting"),
-    Mutant("s05-no-prefill-budget", "s05_continuous_batching/scheduler.py",
-           "a step admits prompts only up to max_prefill_tokens (a single longer one runs alone)",
-           edit("            if admitted and extend_len > budget:\n                break\n", ""),
-           r"max_prefill_tokens"),
-    Mutant("s05-release-keeps-the-row", "s05_continuous_batching/scheduler.py",
-           "a leaving request gives its table row back",
-           edit("        self.runner.req_to_token_pool.free(row)\n        req.req_pool_idx, req.prefix_match, req.cached_len = None, None, 0",
-                "        req.req_pool_idx, req.prefix_match, req.cached_len = None, None, 0"),
-           r"table row|request rows"),
-    Mutant("s05-own-prefix-counted-as-room", "s05_continuous_batching/scheduler.py",
-           "a request's own matched prefix is not room it could evict for itself (count the room while it is locked)",
-           edit("""            self.prefix_cache.lock(match)
+            self.waiting.remove(req)""",
+            ),
+        ),
+        r"overtook",
+    ),
+    Mutant(
+        "s05-retract-the-oldest",
+        "s05_continuous_batching/scheduler.py",
+        "the most recently admitted request is retracted first",
+        edit("req = self.running.pop()", "req = self.running.pop(0)"),
+        r"most recently admitted",
+    ),
+    Mutant(
+        "s05-retracted-to-the-back",
+        "s05_continuous_batching/scheduler.py",
+        "a retracted request waits at the FRONT of the queue (it keeps its place)",
+        edit(
+            "self.waiting.appendleft(req)\n            retracted.append(req)",
+            "self.waiting.append(req)\n            retracted.append(req)",
+        ),
+        r"front of the waiting",
+    ),
+    Mutant(
+        "s05-no-prefill-budget",
+        "s05_continuous_batching/scheduler.py",
+        "a step admits prompts only up to max_prefill_tokens (a single longer one runs alone)",
+        edit("            if admitted and extend_len > budget:\n                break\n", ""),
+        r"max_prefill_tokens",
+    ),
+    Mutant(
+        "s05-release-keeps-the-row",
+        "s05_continuous_batching/scheduler.py",
+        "a leaving request gives its table row back",
+        edit(
+            "        self.runner.req_to_token_pool.free(row)\n        req.req_pool_idx, req.prefix_match, "
+            "req.cached_len = None, None, 0",
+            "        req.req_pool_idx, req.prefix_match, req.cached_len = None, None, 0",
+        ),
+        r"table row|request rows",
+    ),
+    Mutant(
+        "s05-own-prefix-counted-as-room",
+        "s05_continuous_batching/scheduler.py",
+        "a request's own matched prefix is not room it could evict for itself (count the room while it is locked)",
+        edit(
+            """            self.prefix_cache.lock(match)
             room = self.available_slots() - reserved
-            self.prefix_cache.unlock(match)""", """            room = self.available_slots() - reserved"""),
-           r"own cached prefix"),
-    Mutant("s05-finished-not-released", "s05_continuous_batching/scheduler.py",
-           "a finished request is retired at once: its slots and row are freed in the step it finishes",
-           edit("""        for req in finished:
-            self.release_req(req, insert=True)
-        self.running""", """        self.running"""),
-           r"finished"),
-
+            self.prefix_cache.unlock(match)""",
+            """            room = self.available_slots() - reserved""",
+        ),
+        r"own cached prefix",
+    ),
+    Mutant(
+        "s05-finished-not-released",
+        "s05_continuous_batching/scheduler.py",
+        "a finished request is retired at once: its slots and row are freed in the step it finishes",
+        edit(
+            """        for req in finished:
+            self.release_req(req, "finished")
+        self.running""",
+            """        self.running""",
+        ),
+        r"finished",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
-    Mutant("s06-evict-a-parent-with-children", "s06_radix_cache/radix_cache.py",
-           "only leaves are evicted: a parent joins the heap when its LAST child is gone",
-           edit("if parent is not self.root and not parent.children and parent.lock_ref == 0:",
-                "if parent is not self.root and parent.lock_ref == 0:"),
-           r"evict"),
-    Mutant("s06-evict-heap-of-all-nodes", "s06_radix_cache/radix_cache.py",
-           "eviction starts from the unlocked LEAVES (a node with children still holds its children's prefix)",
-           edit("heap = [node for node in self._all_nodes() if not node.children and node.lock_ref == 0]",
-                "heap = [node for node in self._all_nodes() if node.lock_ref == 0]"),
-           r"evict"),
-    Mutant("s06-evict-most-recent", "s06_radix_cache/radix_cache.py",
-           "the least recently used leaf is evicted first",
-           edit("            leaf = heapq.heappop(heap)", "            leaf = heap.pop()"),
-           r"least recently used"),
-    Mutant("s06-match-no-split", "s06_radix_cache/radix_cache.py",
-           "a match that ends inside an edge splits it, so the matched node ends exactly where the match does",
-           edit("""            if n < len(child.key):
+    Mutant(
+        "s06-evict-a-parent-with-children",
+        "s06_radix_cache/radix_cache.py",
+        "only leaves are evicted: a parent joins the heap when its LAST child is gone",
+        edit(
+            "if parent is not self.root and not parent.children and parent.lock_ref == 0:",
+            "if parent is not self.root and parent.lock_ref == 0:",
+        ),
+        r"evict",
+    ),
+    Mutant(
+        "s06-evict-heap-of-all-nodes",
+        "s06_radix_cache/radix_cache.py",
+        "eviction starts from the unlocked LEAVES (a node with children still holds its children's prefix)",
+        edit(
+            "heap = [node for node in self._all_nodes() if not node.children and node.lock_ref == 0]",
+            "heap = [node for node in self._all_nodes() if node.lock_ref == 0]",
+        ),
+        r"evict",
+    ),
+    Mutant(
+        "s06-evict-most-recent",
+        "s06_radix_cache/radix_cache.py",
+        "the least recently used leaf is evicted first",
+        edit("            leaf = heapq.heappop(heap)", "            leaf = heap.pop()"),
+        r"least recently used",
+    ),
+    Mutant(
+        "s06-match-no-split",
+        "s06_radix_cache/radix_cache.py",
+        "a match that ends inside an edge splits it, so the matched node ends exactly where the match does",
+        edit(
+            """            if n < len(child.key):
                 node = self._split_node(child, n)
                 values.append(node.value)
-                break""", """            if n < len(child.key):
+                break""",
+            """            if n < len(child.key):
                 node = child
                 values.append(child.value[:n])
-                break"""),
-           r"split"),
-    Mutant("s06-lock-only-the-node", "s06_radix_cache/radix_cache.py",
-           "a lock covers the whole path: the node and every node above it",
-           edit("            node.lock_ref += delta\n            node = node.parent", "            node.lock_ref += delta\n            break"),
-           r"locked more often than its parent|lock"),
-    Mutant("s06-unlock-below-zero", "s06_radix_cache/radix_cache.py",
-           "an unlock without a matching lock is refused (a negative count would let eviction free slots in use)",
-           edit("            if node.lock_ref + delta < 0:\n                raise", "            if False:\n                raise"),
-           r"unlock"),
-    Mutant("s06-duplicates-kept", "s06_radix_cache/radix_cache.py",
-           "when the tree already holds a prefix, the leaving request's own copies of it are freed",
-           edit("            self.allocator.free(slots[match.cached_len : present])\n            self.allocator.free(slots[aligned:])",
-                "            self.allocator.free(slots[aligned:])"),
-           r"duplicate"),
-
+                break""",
+        ),
+        r"split",
+    ),
+    Mutant(
+        "s06-lock-only-the-node",
+        "s06_radix_cache/radix_cache.py",
+        "a lock covers the whole path: the node and every node above it",
+        edit(
+            "            node.lock_ref += delta\n            node = node.parent",
+            "            node.lock_ref += delta\n            break",
+        ),
+        r"locked more often than its parent|lock",
+    ),
+    Mutant(
+        "s06-unlock-below-zero",
+        "s06_radix_cache/radix_cache.py",
+        "an unlock without a matching lock is refused (a negative count would let eviction free slots in use)",
+        edit(
+            "            if node.lock_ref + delta < 0:\n                raise",
+            "            if False:\n                raise",
+        ),
+        r"unlock",
+    ),
+    Mutant(
+        "s06-duplicates-kept",
+        "s06_radix_cache/radix_cache.py",
+        "when the tree already holds a prefix, the leaving request's own copies of it are freed",
+        edit(
+            "            self.allocator.free(slots[match.cached_len : present])\n            "
+            "self.allocator.free(slots[aligned:])",
+            "            self.allocator.free(slots[aligned:])",
+        ),
+        r"duplicate",
+    ),
     # --- stage 7: chunked prefill -------------------------------------------------------------
-    Mutant("s07-no-chunking", "s07_chunked_prefill/scheduler.py",
-           "a prompt longer than what is left of the step's budget is cut there",
-           edit("        return min(rest, budget)", "        return rest"),
-           r"budget|chunk"),
-    Mutant("s07-unlock-before-lock", "s07_chunked_prefill/prefix_cache.py",
-           "lock the new match BEFORE unlocking the old one: in between, nothing on the request's path may become evictable",
-           edit("        self.lock(new_match)\n        self.unlock(match)", "        self.unlock(match)\n        self.lock(new_match)"),
-           r"lock the new match before"),
-    Mutant("s07-duplicates-kept", "s07_chunked_prefill/prefix_cache.py",
-           "a chunk's own copies of tokens the tree already held are freed",
-           edit("        self.allocator.free(slots[match.cached_len : present])\n        new_match", "        new_match"),
-           r"duplicate"),
-    Mutant("s07-sample-mid-prefill", "s07_chunked_prefill/scheduler.py",
-           "a request whose prefill is unfinished is never sampled (its logits mean nothing yet)",
-           edit("return super().process_batch_result(others, logits[rest])", "return super().process_batch_result(batch, logits)"),
-           r"sampled with only"),
-    Mutant("s07-chunk-stays-running", "s07_chunked_prefill/scheduler.py",
-           "the half-prefilled request leaves the running list (it has no token to decode) and is kept as chunked_req",
-           edit("            self.running.remove(req)\n", ""),
-           r"half.prefilled|mid.prefill|prefill is unfinished|prefill is still unfinished"),
-    Mutant("s07-chunk-not-charged", "s07_chunked_prefill/scheduler.py",
-           "the half-prefilled request's next chunk is paid from the step's budget, like any prompt tokens",
-           edit("            budget -= chunk\n", ""),
-           r"budget"),
-    Mutant("s07-chunks-when-off", "s07_chunked_prefill/scheduler.py",
-           "chunked_prefill_size=None turns chunking off: every prompt is computed whole (stage 6's behaviour)",
-           edit("if self.chunked_prefill_size is None or budget < 1:", "if budget < 1:"),
-           r"chunked_prefill_size=None"),
-
+    Mutant(
+        "s07-no-chunking",
+        "s07_chunked_prefill/scheduler.py",
+        "a prompt longer than what is left of the step's budget is cut there",
+        edit("        return min(rest, budget)", "        return rest"),
+        r"budget|chunk",
+    ),
+    Mutant(
+        "s07-unlock-before-lock",
+        "s07_chunked_prefill/prefix_cache.py",
+        "lock the new match BEFORE unlocking the old one: in between, nothing on the request's path may become "
+        "evictable",
+        edit(
+            "        self.lock(new_match)\n        self.unlock(match)",
+            "        self.unlock(match)\n        self.lock(new_match)",
+        ),
+        r"lock the new match before",
+    ),
+    Mutant(
+        "s07-duplicates-kept",
+        "s07_chunked_prefill/prefix_cache.py",
+        "a chunk's own copies of tokens the tree already held are freed",
+        edit("        self.allocator.free(slots[match.cached_len : present])\n        new_match", "        new_match"),
+        r"duplicate",
+    ),
+    Mutant(
+        "s07-sample-mid-prefill",
+        "s07_chunked_prefill/scheduler.py",
+        "a request whose prefill is unfinished is never sampled (its logits mean nothing yet)",
+        edit(
+            "return super().process_batch_result(others, logits[rest])",
+            "return super().process_batch_result(batch, logits)",
+        ),
+        r"sampled with only",
+    ),
+    Mutant(
+        "s07-chunk-stays-running",
+        "s07_chunked_prefill/scheduler.py",
+        "the half-prefilled request leaves the running list (it has no token to decode) and is kept as chunked_req",
+        edit("            self.running.remove(req)\n", ""),
+        r"half.prefilled|mid.prefill|prefill is unfinished|prefill is still unfinished",
+    ),
+    Mutant(
+        "s07-chunk-not-charged",
+        "s07_chunked_prefill/scheduler.py",
+        "the half-prefilled request's next chunk is paid from the step's budget, like any prompt tokens",
+        edit("            budget -= chunk\n", ""),
+        r"budget",
+    ),
+    Mutant(
+        "s07-chunks-when-off",
+        "s07_chunked_prefill/scheduler.py",
+        "chunked_prefill_size=None turns chunking off: every prompt is computed whole (stage 6's behaviour)",
+        edit("if self.chunked_prefill_size is None or budget < 1:", "if budget < 1:"),
+        r"chunked_prefill_size=None",
+    ),
     # --- stage 8: CUDA graphs (regions that exist now, picked away from the capture protocol) -----
-    Mutant("s08-no-max-bs-bucket", "s08_cuda_graph/cuda_graph_runner.py",
-           "max_bs itself is the largest batch-size bucket",
-           edit("    return buckets + [max_bs]\n    # END EXERCISE", "    return buckets\n    # END EXERCISE"),
-           r"max_bs|bucket"),
-    Mutant("s08-bucket-too-big", "s08_cuda_graph/cuda_graph_runner.py",
-           "a batch runs in the SMALLEST bucket that holds it",
-           edit("bs = self.capture_bs[bisect.bisect_left(self.capture_bs, num_reqs)]",
-                "bs = self.capture_bs[min(bisect.bisect_right(self.capture_bs, num_reqs), len(self.capture_bs) - 1)]"),
-           r"bucket|smallest"),
-    Mutant("s08-full-batch-runs-eager", "s08_cuda_graph/cuda_graph_runner.py",
-           "a decode of exactly max_bs requests still fits the largest graph",
-           edit("forward_batch.num_reqs <= self.max_bs", "forward_batch.num_reqs < self.max_bs"),
-           r"max_bs|graph|eager"),
-    Mutant("s08-no-max-kv-len-bucket", "s08_cuda_graph/cuda_graph_runner.py",
-           "the table width itself is the largest key-length bucket, so every sequence the table holds has a graph",
-           edit("    return buckets + [max_kv_len]\n    # END EXERCISE", "    return buckets\n    # END EXERCISE"),
-           r"kv_len_buckets"),
-    Mutant("s08-padding-not-refilled", "s08_cuda_graph/cuda_graph_runner.py",
-           "rows past the real batch are padded with dummy requests on every replay",
-           edit("        self.fill_padding(n, bs)\n        self.attn_backend", "        self.attn_backend"),
-           r"pad|dummy"),
-
+    Mutant(
+        "s08-no-max-bs-bucket",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "max_bs itself is the largest batch-size bucket",
+        edit("    return buckets + [max_bs]\n    # END EXERCISE", "    return buckets\n    # END EXERCISE"),
+        r"max_bs|bucket",
+    ),
+    Mutant(
+        "s08-bucket-too-big",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a batch runs in the SMALLEST bucket that holds it",
+        edit(
+            "bs = self.capture_bs[bisect.bisect_left(self.capture_bs, num_reqs)]",
+            "bs = self.capture_bs[min(bisect.bisect_right(self.capture_bs, num_reqs), len(self.capture_bs) - 1)]",
+        ),
+        r"bucket|smallest",
+    ),
+    Mutant(
+        "s08-full-batch-runs-eager",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a decode of exactly max_bs requests still fits the largest graph",
+        edit("forward_batch.num_reqs <= self.max_bs", "forward_batch.num_reqs < self.max_bs"),
+        r"max_bs|graph|eager",
+    ),
+    Mutant(
+        "s08-no-max-kv-len-bucket",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "the table width itself is the largest key-length bucket, so every sequence the table holds has a graph",
+        edit("    return buckets + [max_kv_len]\n    # END EXERCISE", "    return buckets\n    # END EXERCISE"),
+        r"kv_len_buckets",
+    ),
+    Mutant(
+        "s08-padding-not-refilled",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "rows past the real batch are padded with dummy requests on every replay",
+        edit("        self.fill_padding(n, bs)\n        self.attn_backend", "        self.attn_backend"),
+        r"pad|dummy",
+    ),
     # --- stage 9: serving (regions away from the scheduler process's lifecycle) ---------------
-    Mutant("s09-no-hold-back", "s09_zmq_serving/detokenizer_manager.py",
-           "text that may be the start of a stop string is held back until it is known not to be one",
-           edit("    longest = 0\n    for stop in stops:", "    return 0\n    longest = 0\n    for stop in stops:"),
-           r"hold|stop"),
-    Mutant("s09-hold-back-first-stop-only", "s09_zmq_serving/detokenizer_manager.py",
-           "ANY stop string's beginning is held back, not only the first one's",
-           edit("    for stop in stops:\n        for k in range(min(len(stop) - 1, len(text)), longest, -1):",
-                "    for stop in stops[:1]:\n        for k in range(min(len(stop) - 1, len(text)), longest, -1):"),
-           r"hold|stop"),
-    Mutant("s09-no-finish-chunk", "s09_zmq_serving/api_server.py",
-           "the stream's last content chunk carries the finish reason",
-           edit("""        if out.finish_reason is not None:
+    Mutant(
+        "s09-no-hold-back",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "text that may be the start of a stop string is held back until it is known not to be one",
+        edit("    longest = 0\n    for stop in stops:", "    return 0\n    longest = 0\n    for stop in stops:"),
+        r"hold|stop",
+    ),
+    Mutant(
+        "s09-hold-back-first-stop-only",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "ANY stop string's beginning is held back, not only the first one's",
+        edit(
+            "    for stop in stops:\n        for k in range(min(len(stop) - 1, len(text)), longest, -1):",
+            "    for stop in stops[:1]:\n        for k in range(min(len(stop) - 1, len(text)), longest, -1):",
+        ),
+        r"hold|stop",
+    ),
+    Mutant(
+        "s09-no-finish-chunk",
+        "s09_zmq_serving/api_server.py",
+        "the stream's last content chunk carries the finish reason",
+        edit(
+            """        if out.finish_reason is not None:
             yield sse(make_chunk("", out.finish_reason, None))
-""", ""),
-           r"finish"),
-    Mutant("s09-no-done", "s09_zmq_serving/api_server.py",
-           "an SSE stream ends with 'data: [DONE]'",
-           edit('    yield sse("[DONE]")\n    # END EXERCISE', "    # END EXERCISE"),
-           r"DONE"),
-    Mutant("s09-max-completion-tokens-ignored", "s09_zmq_serving/protocol.py",
-           "max_completion_tokens (the newer name) limits the answer like max_tokens",
-           edit("        max_tokens = other\n", ""),
-           r"max_completion_tokens|max_tokens"),
-    Mutant("s09-error-names-no-param", "s09_zmq_serving/protocol.py",
-           "an invalid sampling field is refused with an error whose `param` names that field",
-           edit("raise InvalidRequest(str(error), param=param) from None", "raise InvalidRequest(str(error)) from None"),
-           r"param"),
-
+""",
+            "",
+        ),
+        r"finish",
+    ),
+    Mutant(
+        "s09-no-done",
+        "s09_zmq_serving/api_server.py",
+        "an SSE stream ends with 'data: [DONE]'",
+        edit('    yield sse("[DONE]")\n    # END EXERCISE', "    # END EXERCISE"),
+        r"DONE",
+    ),
+    Mutant(
+        "s09-max-completion-tokens-ignored",
+        "s09_zmq_serving/protocol.py",
+        "max_completion_tokens (the newer name) limits the answer like max_tokens",
+        edit("        max_tokens = other\n", ""),
+        r"max_completion_tokens|max_tokens",
+    ),
+    Mutant(
+        "s09-error-names-no-param",
+        "s09_zmq_serving/protocol.py",
+        "an invalid sampling field is refused with an error whose `param` names that field",
+        edit("raise InvalidRequest(str(error), param=param) from None", "raise InvalidRequest(str(error)) from None"),
+        r"param",
+    ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
-    Mutant("s10-resolve-not-in-place", "s10_overlap_scheduling/future_map.py",
-           "the future ids are replaced IN the batch's input ids, which the forward then reads",
-           edit("input_ids.copy_(torch.where(future, looked_up, input_ids))", "input_ids = torch.where(future, looked_up, input_ids)"),
-           r"resolve|future"),
-    Mutant("s10-resolve-wrong-slot", "s10_overlap_scheduling/future_map.py",
-           "a future id -k names slot k of the buffer (negated, not used as it is)",
-           edit("looked_up = self.token_ids[(-input_ids).clamp(min=0)]", "looked_up = self.token_ids[input_ids.clamp(min=0)]"),
-           r"resolve|future"),
-    Mutant("s10-always-wait", "s10_overlap_scheduling/scheduler.py",
-           "step N is processed AFTER step N+1 is launched (waiting first is the plain loop: nothing overlaps)",
-           edit("        if self.last is not None and self.must_wait_for_last():\n            outputs += self.process_last()\n        launched",
-                "        if self.last is not None:\n            outputs += self.process_last()\n        launched"),
-           r"launched before|order|scheduled before"),
-    Mutant("s10-keep-future-of-ended", "s10_overlap_scheduling/scheduler.py",
-           "a request that ended drops the future id of the step in flight from its output ids",
-           edit("                self.drop_future(req, future_id)\n                self.release_ended(req)",
-                "                self.release_ended(req)"),
-           r"future id"),
-    Mutant("s10-release-while-in-flight", "s10_overlap_scheduling/scheduler.py",
-           "a request finished at step N but already in step N+1 is released only when step N+1 is processed",
-           edit("                if id(req) in in_flight:", "                if False:"),
-           r"in flight|release|row|double"),
-    Mutant("s10-insert-extra-position", "s10_overlap_scheduling/scheduler.py",
-           "a finished request drops the position the extra step stored: the tree gets what stage 8 inserts",
-           edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len"),
-           r"tree|insert|extra"),
+    Mutant(
+        "s10-resolve-not-in-place",
+        "s10_overlap_scheduling/future_map.py",
+        "the future ids are replaced IN the batch's input ids, which the forward then reads",
+        edit(
+            "input_ids.copy_(torch.where(future, looked_up, input_ids))",
+            "input_ids = torch.where(future, looked_up, input_ids)",
+        ),
+        r"resolve|future",
+    ),
+    Mutant(
+        "s10-resolve-wrong-slot",
+        "s10_overlap_scheduling/future_map.py",
+        "a future id -k names slot k of the buffer (negated, not used as it is)",
+        edit(
+            "looked_up = self.token_ids[(-input_ids).clamp(min=0)]",
+            "looked_up = self.token_ids[input_ids.clamp(min=0)]",
+        ),
+        r"resolve|future",
+    ),
+    Mutant(
+        "s10-always-wait",
+        "s10_overlap_scheduling/scheduler.py",
+        "step N is processed AFTER step N+1 is launched (waiting first is the plain loop: nothing overlaps)",
+        edit(
+            "        if self.last is not None and self.must_wait_for_last():\n"
+            "            outputs += self.process_last()\n        launched",
+            "        if self.last is not None:\n            outputs += self.process_last()\n        launched",
+        ),
+        r"launched before|order|scheduled before",
+    ),
+    Mutant(
+        "s10-keep-future-of-ended",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request that ended drops the future id of the step in flight from its output ids",
+        edit(
+            "                self.drop_future(req, future_id)\n                self.release_ended(req)",
+            "                self.release_ended(req)",
+        ),
+        r"future id",
+    ),
+    Mutant(
+        "s10-release-while-in-flight",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request finished at step N but already in step N+1 is released only when step N+1 is processed",
+        edit("                if id(req) in in_flight:", "                if False:"),
+        r"in flight|release|row|double",
+    ),
+    Mutant(
+        "s10-insert-extra-position",
+        "s10_overlap_scheduling/scheduler.py",
+        "a finished request drops the position the extra step stored: the tree gets what stage 8 inserts",
+        edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len"),
+        r"tree|insert|extra",
+    ),
 ]
 
 
 # --- applying ------------------------------------------------------------------------------------
+
 
 def exercise_spans(text: str) -> list[tuple[int, int]]:
     """(start, end) character offsets of every exercise region's body in ``text``."""
@@ -450,7 +751,9 @@ def check_all(solutions: Path) -> list[str]:
         try:
             compile(mutate(mutant, path.read_text()), str(path), "exec")
         except (ValueError, SyntaxError) as error:
-            problems.append(str(error) if isinstance(error, ValueError) else f"{mutant.name}: the mutant does not compile: {error}")
+            problems.append(
+                str(error) if isinstance(error, ValueError) else f"{mutant.name}: the mutant does not compile: {error}"
+            )
     for stage in range(1, 10):
         count = sum(m.stage == stage for m in MUTANTS)
         if count < 5:
@@ -459,6 +762,7 @@ def check_all(solutions: Path) -> list[str]:
 
 
 # --- running -------------------------------------------------------------------------------------
+
 
 def first_failure(junit: Path) -> tuple[str, str] | None:
     """(test id, what it said) of the first failed or errored test in a JUnit report: the
@@ -485,8 +789,17 @@ def run_mutant(mutant: Mutant, work: Path, solutions: Path) -> tuple[str, str, f
     junit = work / "junit.xml"
     junit.unlink(missing_ok=True)
     env = child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(copy))
-    command = [sys.executable, "-m", "pytest", f"tests/stage{mutant.stage:02d}", "-x", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        f"tests/stage{mutant.stage:02d}",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+    ]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -514,7 +827,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("the catalogue does not apply to solutions/:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    chosen = [m for m in MUTANTS if (args.stages is None or m.stage in args.stages) and (not args.only or m.name in args.only)]
+    chosen = [
+        m for m in MUTANTS if (args.stages is None or m.stage in args.stages) and (not args.only or m.name in args.only)
+    ]
     if args.list:
         for mutant in chosen:
             print(f"{mutant.name:36s} stage {mutant.stage}  {mutant.idea}")
@@ -526,19 +841,27 @@ def main(argv: list[str] | None = None) -> int:
         for mutant in chosen:
             verdict, message, seconds = run_mutant(mutant, Path(tmp), solutions)
             results.append((mutant, verdict, message))
-            print(f"{verdict:8s} {seconds:5.0f} s  {mutant.name}" + (f"\n{'':17s}{message[:300]}" if message else ""), flush=True)
+            print(
+                f"{verdict:8s} {seconds:5.0f} s  {mutant.name}" + (f"\n{'':17s}{message[:300]}" if message else ""),
+                flush=True,
+            )
 
     print(f"\n{'stage':>5}  {'mutants':>7}  {'killed':>6}  {'unnamed':>7}  {'survived':>8}  kill rate (named / all)")
     for stage in sorted({m.stage for m, _, _ in results}):
         rows = [verdict for m, verdict, _ in results if m.stage == stage]
         killed, unnamed = rows.count("killed"), rows.count("unnamed")
-        print(f"{stage:>5}  {len(rows):>7}  {killed:>6}  {unnamed:>7}  {len(rows) - killed - unnamed:>8}  "
-              f"{killed}/{len(rows)} named, {killed + unnamed}/{len(rows)} caught")
+        print(
+            f"{stage:>5}  {len(rows):>7}  {killed:>6}  {unnamed:>7}  {len(rows) - killed - unnamed:>8}  "
+            f"{killed}/{len(rows)} named, {killed + unnamed}/{len(rows)} caught"
+        )
     missed = [(m, verdict, message) for m, verdict, message in results if verdict != "killed"]
     if missed:
         print(f"\n{len(missed)} mutant(s) not killed by a message naming the idea:")
         for mutant, verdict, message in missed:
-            print(f"  - {mutant.name} ({verdict}): {mutant.idea}" + (f"\n      first failure: {message}" if message else ""))
+            print(
+                f"  - {mutant.name} ({verdict}): {mutant.idea}"
+                + (f"\n      first failure: {message}" if message else "")
+            )
         return 1
     print(f"\nall {len(results)} mutants killed, each by a message naming the broken idea")
     return 0

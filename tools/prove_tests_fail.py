@@ -35,12 +35,20 @@ def stage_numbers(root: Path) -> dict[int, tuple[Path | None, Path | None]]:
 
 
 def prove(root: Path, wanted: set[int] | None, with_solutions: bool) -> int:
-    rows, defects = [], []
+    rows: list[tuple] = []  # one table row per stage
+    defects: list[str] = []
     with tempfile.TemporaryDirectory(prefix="skeleton-") as skeleton:
         made = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("make_skeleton.py")),
-             "--solutions", str(root / "solutions"), "--stages", skeleton],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                str(Path(__file__).with_name("make_skeleton.py")),
+                "--solutions",
+                str(root / "solutions"),
+                "--stages",
+                skeleton,
+            ],
+            capture_output=True,
+            text=True,
         )
         if made.returncode != 0:
             print(f"cannot generate the skeleton:\n{made.stderr}", file=sys.stderr)
@@ -56,32 +64,51 @@ def prove(root: Path, wanted: set[int] | None, with_solutions: bool) -> int:
                 defects.append(f"stage {n}: tests/stage{n:02d} exists but solutions/ has no s{n:02d}_* package")
                 continue
             print(f"stage {n}: running tests/stage{n:02d} on the skeleton ...", flush=True)
-            env = child_env(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(n - 1),
-                            ENGINE_STAGES_DIR=skeleton, ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
+            env = child_env(
+                ENGINE_IMPL="stages",
+                ENGINE_REFERENCE_UPTO=str(n - 1),
+                ENGINE_STAGES_DIR=skeleton,
+                ENGINE_SOLUTIONS_DIR=str(root / "solutions"),
+            )
             run = run_pytest([str(tests)], env, root=root)
             counts = {k: sum(v == k for v in run.outcomes.values()) for k in ("failed", "error", "passed", "skipped")}
             bad = []
             if not run.outcomes:
-                bad.append(f"stage {n}: no test ran on the skeleton (pytest exit {run.returncode}):\n"
-                           + "\n".join(run.output.splitlines()[-15:]))
+                bad.append(
+                    f"stage {n}: no test ran on the skeleton (pytest exit {run.returncode}):\n"
+                    + "\n".join(run.output.splitlines()[-15:])
+                )
             for test, outcome in sorted(run.outcomes.items()):
                 if outcome in ("passed", "skipped"):
                     bad.append(f"stage {n}: {test} {outcome.upper()} on the skeleton; it must fail there")
                 elif test.endswith("(collecting the module)"):
-                    bad.append(f"stage {n}: {test} errors on the skeleton: its tests cannot be collected, "
-                               "so none of them is shown to fail on its own")
+                    bad.append(
+                        f"stage {n}: {test} errors on the skeleton: its tests cannot be collected, "
+                        "so none of them is shown to fail on its own"
+                    )
             if with_solutions:
                 print(f"stage {n}: running tests/stage{n:02d} on the solutions ...", flush=True)
-                reference = run_pytest([str(tests)], child_env(ENGINE_IMPL="solutions",
-                                       ENGINE_SOLUTIONS_DIR=str(root / "solutions")), root=root)
+                reference = run_pytest(
+                    [str(tests)],
+                    child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(root / "solutions")),
+                    root=root,
+                )
                 for test, outcome in sorted(reference.outcomes.items()):
                     if outcome != "passed":
                         bad.append(f"stage {n}: {test} {outcome.upper()} on the solutions; it must pass there")
                 if not reference.outcomes:
                     bad.append(f"stage {n}: no test ran on the solutions (pytest exit {reference.returncode})")
             defects += bad
-            rows.append((n, len(run.outcomes), counts["failed"] + counts["error"], counts["passed"],
-                         counts["skipped"], "DEFECT" if bad else "ok: every test fails on the skeleton"))
+            rows.append(
+                (
+                    n,
+                    len(run.outcomes),
+                    counts["failed"] + counts["error"],
+                    counts["passed"],
+                    counts["skipped"],
+                    "DEFECT" if bad else "ok: every test fails on the skeleton",
+                )
+            )
 
     print()
     print(f"{'stage':>5}  {'tests':>5}  {'failed':>6}  {'passed':>6}  {'skipped':>7}  verdict")
@@ -94,8 +121,10 @@ def prove(root: Path, wanted: set[int] | None, with_solutions: bool) -> int:
         for line in defects:
             print(f"  - {line}")
         return 1
-    print("\nno defects: every graded test fails on its stage's skeleton"
-          + (" and passes on the solutions" if with_solutions else ""))
+    print(
+        "\nno defects: every graded test fails on its stage's skeleton"
+        + (" and passes on the solutions" if with_solutions else "")
+    )
     return 0
 
 

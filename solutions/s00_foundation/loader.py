@@ -24,11 +24,15 @@ def resolve_model_path(model: str | Path) -> Path:
     if path.is_dir():
         return path
     if path.exists() or str(model).startswith((".", "/")) or str(model).count("/") != 1:
-        raise FileNotFoundError(f"{model} is not a model folder (expected a folder with config.json) nor a hub id like 'Qwen/Qwen3-0.6B'")
+        raise FileNotFoundError(
+            f"{model} is not a model folder (expected a folder with config.json) nor a hub id like 'Qwen/Qwen3-0.6B'"
+        )
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+        return Path(
+            snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+        )
     except Exception as exc:  # offline, unknown id, gated repo...
         raise FileNotFoundError(f"could not fetch {model!r} from the Hugging Face hub: {exc}") from exc
 
@@ -64,5 +68,8 @@ def load_model(
     # Checkpoints may carry buffers we compute ourselves (e.g. rotary inv_freq): ignore only those.
     unexpected = [n for n in unexpected if not n.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise ValueError(f"{folder}: weights do not match the {config.model_type} architecture; missing={missing[:5]} unexpected={unexpected[:5]}")
+        raise ValueError(
+            f"{folder}: weights do not match the {config.model_type} architecture; missing={missing[:5]} "
+            f"unexpected={unexpected[:5]}"
+        )
     return model_.eval()

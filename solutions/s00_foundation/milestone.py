@@ -1,10 +1,10 @@
 """The start every stage's milestone (``python -m sNN_...``) shares: which model, on which device.
 
-    parser = argparse.ArgumentParser(...)
-    add_model_args(parser)                  # --model, --device
-    ...
-    path, device, model, tokenizer = load_from_args(parser.parse_args())
-    path, device, model = model_from_args(args)   # a milestone that needs no tokenizer
+parser = argparse.ArgumentParser(...)
+add_model_args(parser)                  # --model, --device
+...
+path, device, model, tokenizer = load_from_args(parser.parse_args())
+path, device, model = model_from_args(args)   # a milestone that needs no tokenizer
 """
 
 from __future__ import annotations

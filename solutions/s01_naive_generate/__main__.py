@@ -28,7 +28,10 @@ def main() -> None:
     print(f"model: {path}   device: {describe(device)}")
     print(f"prompt ({len(prompt_ids)} tokens): {args.prompt}")
     print(f"output ({len(new_ids)} tokens): {tokenizer.decode(new_ids)}")
-    print(f"naive generate: {len(new_ids) / elapsed:.1f} tokens/s ({elapsed:.2f} s; every step recomputes the whole sequence)")
+    print(
+        f"naive generate: {len(new_ids) / elapsed:.1f} tokens/s ({elapsed:.2f} s; every step recomputes the whole "
+        "sequence)"
+    )
 
 
 if __name__ == "__main__":

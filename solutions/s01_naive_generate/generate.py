@@ -1,7 +1,10 @@
 """Naive greedy generation: every step runs the WHOLE sequence through the model again.
 
-Step t processes prompt_len + t tokens and attention inside it costs O(len^2), so producing N
-tokens costs O(N^3) in total. Nothing is remembered between steps; stage 3 fixes exactly that.
+Step t runs all prompt_len + t tokens through every layer: the projections and the MLP cost
+grows linearly with that length and attention's quadratically. So N new tokens cost O(N^2) in
+matmuls plus O(N^3) in attention; on a small model the matmuls dominate until contexts are long
+(notebook 01 measures a step time that grows about linearly). Nothing is remembered between
+steps; stage 3 fixes exactly that.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from s00_foundation.model import CausalLM
 
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
-    # BEGIN EXERCISE: build a ForwardBatch holding the whole sequence (one request, nothing cached, NoCacheBackend) and return the model's logits for it
+    # BEGIN EXERCISE: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached)
+    # [#what-you-write]
     batch = ForwardBatch.build([list(token_ids)], prefix_lens=[0], attn_backend=NoCacheBackend(), device=model.device)
     return model(batch)[0]
     # END EXERCISE
@@ -32,13 +36,14 @@ def naive_generate(
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, new_tokens = list(input_ids), []
-    # BEGIN EXERCISE: loop - logits of the whole sequence, greedy pick (argmax), append, stop at an EOS id or after max_new_tokens
+    tokens = list(input_ids)
+    new_tokens: list[int] = []
+    # BEGIN EXERCISE: the greedy loop: recompute, pick, append, stop [#what-you-write]
     for _ in range(max_new_tokens):
         next_id = int(torch.argmax(next_token_logits(model, tokens)))
         tokens.append(next_id)
         new_tokens.append(next_id)
         if next_id in eos_token_ids:
             break
-    # END EXERCISE
     return new_tokens
+    # END EXERCISE

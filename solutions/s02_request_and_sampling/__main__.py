@@ -27,8 +27,11 @@ def main() -> None:
 
     def sampled(seed: int) -> SamplingParams:
         return SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, min_p=args.min_p,
-            max_new_tokens=args.max_new_tokens, seed=seed,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            max_new_tokens=args.max_new_tokens,
+            seed=seed,
         )
 
     # One batch: greedy, one request per seed, and the first seed once more to show it repeats.
@@ -47,10 +50,15 @@ def main() -> None:
     for label, out in zip(labels, outputs):
         print(f"{label:>{width}} [{out.finish_reason}]: {out.text!r}")
     same = outputs[-1].output_ids == outputs[1].output_ids
-    print(f"\nseed={args.seeds[0]} twice -> {'identical' if same else 'DIFFERENT (a seed should reproduce its run!)'} continuations")
+    print(
+        f"\nseed={args.seeds[0]} twice -> {'identical' if same else 'DIFFERENT (a seed should reproduce its run!)'} "
+        "continuations"
+    )
     total = sum(out.output_tokens for out in outputs)
-    print(f"{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s "
-          f"({len(outputs)} requests sampled as one batch; each forward still recomputes the whole sequence)")
+    print(
+        f"{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s "
+        f"({len(outputs)} requests sampled as one batch; each forward still recomputes the whole sequence)"
+    )
 
 
 if __name__ == "__main__":

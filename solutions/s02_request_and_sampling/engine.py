@@ -9,7 +9,7 @@ token and checks whether it is done. Finished requests leave the batch; the rest
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -37,11 +37,11 @@ class GenerateOutput:
 def encode(tokenizer: Tokenizer, prompt: PromptInput) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode_prompt(prompt)
-    prompt = list(prompt)
-    if prompt and all(isinstance(m, dict) for m in prompt):
-        return tokenizer.encode_prompt(prompt)
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+    items: list[Any] = list(prompt)  # checked item by item below
+    if items and all(isinstance(m, dict) for m in items):
+        return tokenizer.encode_prompt(items)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return items
     raise ValueError(
         f"each prompt must be a string, a non-empty list of chat messages ({{'role': ..., 'content': ...}}) "
         f"or a non-empty list of token ids; got {prompt!r:.80}"
@@ -55,17 +55,17 @@ def pair_prompts_with_params(
     """Each prompt with its SamplingParams. ``prompts`` is a list of prompts (a single string is
     accepted as a list of one); ``sampling_params`` is one SamplingParams for all of them (None:
     the defaults) or one per prompt."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    prompts = list(prompts)
+    listed: list[Any] = [prompts] if isinstance(prompts, str) else list(prompts)  # encode() checks each
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
-        sampling_params = [sampling_params] * len(prompts)
+        sampling_params = [sampling_params] * len(listed)
     sampling_params = list(sampling_params)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt")
-    return list(zip(prompts, sampling_params))
+    if len(sampling_params) != len(listed):
+        raise ValueError(
+            f"got {len(listed)} prompts but {len(sampling_params)} SamplingParams; pass one, or one per prompt"
+        )
+    return list(zip(listed, sampling_params))
 
 
 def make_reqs(

@@ -17,13 +17,16 @@ forward a chunk at a time.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Iterable, Literal, Sequence
 
 import torch
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only a type: stage 2 never imports stage 5 at run time
+    from s05_continuous_batching.prefix_cache import PrefixMatch
 
 FinishType = Literal["stop", "length", "abort"]
 
@@ -36,7 +39,8 @@ def find_stop_str(text: str, new_len: int, stops: Sequence[str]) -> tuple[int, s
     (longest stop - 1) characters before it: searching only that window keeps each step O(1)
     however long the text grows. (Stage 9's detokenizer runs the same search.)
     """
-    # BEGIN EXERCISE: None without stop strings or new text; else search only the window text[start:], start = len(text) - new_len - (longest stop - 1) (at least 0); return (start + position, stop string) of the match that starts first, or None
+    # BEGIN EXERCISE: find the stop string the new text completed, searching only a window
+    # [#when-a-request-stops-and-why]
     if not stops or new_len == 0:
         return None
     start = max(0, len(text) - new_len - (max(map(len, stops)) - 1))
@@ -60,17 +64,31 @@ class FinishReason:
         return self.type if self.matched is None else f"{self.type} ({self.matched!r})"
 
 
+@dataclass
+class TimeStats:
+    """When things happened to one request (the scheduler's clock, seconds; stage 5 fills it)."""
+
+    arrival: float | None = None  # queued (add_request)
+    scheduled: list[float] = field(default_factory=list)  # each admission (again after a retraction)
+    retracted: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    finished: float | None = None  # finished or aborted
+
+
 class Req:
+    """One request. Every field is declared here, the ones later stages fill included (each says
+    which stage fills it), so a reader and a type checker find them all in one place."""
+
     def __init__(
         self,
-        rid: int | str,
+        rid: Hashable,
         origin_input_ids: Iterable[int],
         sampling_params: SamplingParams,
         tokenizer: Decoder | None = None,
         eos_token_ids: Iterable[int] | None = None,
     ):
         self.rid = rid
-        self.origin_input_ids = list(origin_input_ids)
+        self.origin_input_ids: list[int] = list(origin_input_ids)
         if not self.origin_input_ids:
             raise ValueError(f"request {rid}: the prompt has no tokens; a model needs at least one to continue from")
         self.output_ids: list[int] = []
@@ -83,9 +101,15 @@ class Req:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", [])
         self.eos_token_ids = frozenset(eos_token_ids)
 
-        self.cached_len = 0
-        self.device_len = len(self.origin_input_ids)  # the first pass sees the whole prompt
+        # The lengths (module docstring): 0 <= cached_len <= device_len <= len(fill_ids).
+        self.cached_len = 0  # stage 3 on: set after each pass by whoever stores the K/V
+        self.device_len = len(self.origin_input_ids)  # the first pass sees the whole prompt (stage 7 cuts it)
         self.finished_reason: FinishReason | None = None
+
+        # Filled by later stages while the request holds memory; None when it holds none.
+        self.req_pool_idx: int | None = None  # stage 4: its row in the request -> slots table
+        self.prefix_match: PrefixMatch | None = None  # stage 5: what the prefix cache gave it (locked)
+        self.time_stats = TimeStats()  # stage 5: when the scheduler queued, admitted, retracted it
 
         # Every request owns its random stream, so its tokens depend only on its seed, never
         # on which other requests happen to share the batch. Without a seed we draw one and
@@ -132,7 +156,7 @@ class Req:
         """
         if self.finished or not self.output_ids:
             return
-        # BEGIN EXERCISE: check stop tokens / EOS, then stop strings (step self._detokenizer, then find_stop_str on its new text), then max_new_tokens
+        # BEGIN EXERCISE: decide whether the request is done, and why [#when-a-request-stops-and-why]
         params = self.sampling_params
         last = self.output_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):

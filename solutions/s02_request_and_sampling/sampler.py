@@ -28,7 +28,7 @@ def top_k_mask(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     probs: [B, V] float; top_k: [B] int. Returns a [B, V] bool mask of the kept tokens. Ties
     at the boundary are broken by the sort, so exactly k tokens are kept.
     """
-    # BEGIN EXERCISE: keep the k most likely tokens of each row (k = -1 keeps the whole row)
+    # BEGIN EXERCISE: top-k: keep the k most likely tokens of each row [#the-sampler-logits-b-v--one-token-per-row]
     vocab = probs.shape[-1]
     k = torch.where(top_k < 1, vocab, top_k).clamp(max=vocab).to(probs.device)
     order = probs.argsort(dim=-1, descending=True)
@@ -44,7 +44,8 @@ def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     A token is kept when the tokens more likely than it hold less than top_p of the mass, so
     the most likely token is always kept. top_p = 1 keeps the whole row. Returns [B, V] bool.
     """
-    # BEGIN EXERCISE: keep the smallest set of most likely tokens whose mass reaches top_p
+    # BEGIN EXERCISE: top-p: keep the smallest set of likeliest tokens whose mass reaches top_p
+    # [#the-sampler-logits-b-v--one-token-per-row]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the strictly more likely tokens
     top_p = top_p.to(probs.device, probs.dtype)[:, None]
@@ -59,7 +60,8 @@ def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
     min_p = 0 keeps every token. Returns [B, V] bool.
     """
-    # BEGIN EXERCISE: keep tokens with p >= min_p * (the row's largest p)
+    # BEGIN EXERCISE: min-p: keep tokens with p >= min_p times the row's largest p
+    # [#the-sampler-logits-b-v--one-token-per-row]
     p_max = probs.max(dim=-1, keepdim=True).values
     return probs >= min_p.to(probs.device, probs.dtype)[:, None] * p_max
     # END EXERCISE
@@ -72,9 +74,13 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     seed alone, not on the other requests in the batch.
     """
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
-        raise ValueError(f"logits must be [batch, vocab] with one row per request; got {tuple(logits.shape)} for {len(reqs)} requests")
+        raise ValueError(
+            f"logits must be [batch, vocab] with one row per request; got {tuple(logits.shape)} for {len(reqs)} "
+            "requests"
+        )
     params = [req.sampling_params for req in reqs]
-    # BEGIN EXERCISE: greedy fast path; otherwise temperature, the three masks, and one draw per row from its request's generator
+    # BEGIN EXERCISE: one token per row: greedy, or temperature, masks and one draw per request
+    # [#the-sampler-logits-b-v--one-token-per-row]
     greedy = [p.is_greedy for p in params]
     argmax = logits.argmax(dim=-1)
     if all(greedy):
@@ -101,10 +107,12 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     # never be the first to exceed anything. (u is float32, so u <= 1 - 2**-24 and the target
     # stays clearly below the float64 total: some token is always found.) Greedy rows draw
     # nothing, so a request's random stream advances only on the steps where it samples.
-    u = torch.cat([
-        torch.zeros(1) if is_greedy else torch.rand(1, generator=req.generator)
-        for is_greedy, req in zip(greedy, reqs)
-    ])
+    u = torch.cat(
+        [
+            torch.zeros(1) if is_greedy else torch.rand(1, generator=req.generator)
+            for is_greedy, req in zip(greedy, reqs)
+        ]
+    )
     cdf = probs.double().cumsum(dim=-1)
     target = u.to(device=device, dtype=torch.float64)[:, None] * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1)

@@ -42,7 +42,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        # BEGIN EXERCISE: check every field and raise ValueError saying what is wrong and what is allowed
+        # BEGIN EXERCISE: check every field; a ValueError says what is wrong and what is allowed
+        # [#samplingparams-what-the-caller-asked-for]
         self.temperature = _real("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")

@@ -30,7 +30,8 @@ class KVCacheBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         if batch.num_reqs != len(self.caches):
             raise ValueError(f"the batch has {batch.num_reqs} requests but the backend holds {len(self.caches)} caches")
-        outputs, start = [], 0
+        outputs: list[torch.Tensor] = []  # each request's attention output, in batch order
+        start = 0
         for i, (cache, prefix_len, seq_len) in enumerate(zip(self.caches, batch.prefix_lens, batch.seq_lens)):
             # The new tokens must continue exactly where the cache ends: a gap would leave
             # positions nobody wrote, an overlap would overwrite K/V that are already final.
@@ -44,10 +45,11 @@ class KVCacheBackend(AttentionBackend):
                     "call cache.reserve(seq_len) before the forward pass"
                 )
             end = start + (seq_len - prefix_len)
-            # BEGIN EXERCISE: store this request's new k, v (rows start:end) at positions [prefix_len, seq_len) of layer layer_id, then attend its queries over positions [0, seq_len) with causal_attention
+            # BEGIN EXERCISE: store this request's new K/V in its cache, then attend over the whole cache
+            # [#what-you-write]
             cache.k[layer_id, prefix_len:seq_len] = k[start:end]
             cache.v[layer_id, prefix_len:seq_len] = v[start:end]
             outputs.append(causal_attention(q[start:end], cache.k[layer_id, :seq_len], cache.v[layer_id, :seq_len]))
-            # END EXERCISE
             start = end
+            # END EXERCISE
         return torch.cat(outputs, dim=0)

@@ -30,7 +30,7 @@ from .kv_cache import KVCache
 def forward_step(model: torch.nn.Module, reqs: Sequence[Req], caches: Sequence[KVCache]) -> None:
     """One forward pass for all ``reqs`` (caches[i] is reqs[i]'s cache): each sends what its
     cache lacks, then takes one sampled token."""
-    # BEGIN EXERCISE: extend each cache with its request's fill_ids[cached_len:device_len], mark those tokens cached (cached_len = device_len), sample one token per request (stage 2's sample), append it and check whether the request finished
+    # BEGIN EXERCISE: one cached step: extend every request's cache, sample, append [#what-you-write]
     logits = extend(model, caches, [req.fill_ids[req.cached_len : req.device_len] for req in reqs])
     for req in reqs:
         req.cached_len = req.device_len

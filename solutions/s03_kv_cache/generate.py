@@ -4,9 +4,9 @@
     decode:   [t0] at position n      -> 1 more position stored, logits for token n+1
     decode:   [t1] at position n+1    -> ...
 
-Each decode step computes one token's projections and MLP and attends one query over the
-cache, so step t costs O(n + t) instead of stage 1's O((n + t)^2): producing N tokens goes
-from O(N^3) to O(N^2).
+Each decode step computes one token's projections and MLP (a fixed cost: every weight read
+once) and attends one query over the n + t cached positions, where stage 1's step redid all of
+them: over N tokens the matmuls go from O(N^2) to O(N), attention from O(N^3) to O(N^2).
 
 The last generated token is returned but never fed back (nothing would read its K/V), so after
 every step the cache holds exactly len(prompt) + len(generated) - 1 positions.
@@ -34,7 +34,7 @@ def extend(model: CausalLM, caches: Sequence[KVCache], new_token_ids: Sequence[S
     """
     if len(caches) != len(new_token_ids):
         raise ValueError(f"{len(caches)} caches but {len(new_token_ids)} lists of new tokens")
-    # BEGIN EXERCISE: reserve room in every cache, build one ForwardBatch whose prefix lengths are the caches' seq_len (with a KVCacheBackend over the caches), run the model, then record each cache's new seq_len
+    # BEGIN EXERCISE: run new tokens of every request against its cache [#what-you-write]
     for cache, ids in zip(caches, new_token_ids):
         cache.reserve(cache.seq_len + len(ids))
     batch = ForwardBatch.build(
@@ -70,7 +70,7 @@ def stream_generate(
         cache = KVCache.for_model(model, capacity=len(input_ids) + max_new_tokens - 1)
     elif cache.seq_len != 0:
         raise ValueError(f"the cache already holds {cache.seq_len} positions; generation needs an empty one")
-    # BEGIN EXERCISE: prefill the whole prompt once with extend; then loop: greedy pick (argmax), yield it, stop at an EOS id or after max_new_tokens, otherwise extend by that one token
+    # BEGIN EXERCISE: prefill once, then decode one token per step [#what-you-write]
     logits = extend(model, [cache], [list(input_ids)])[0]
     for step in range(max_new_tokens):
         next_id = int(torch.argmax(logits))

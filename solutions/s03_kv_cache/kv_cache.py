@@ -58,7 +58,7 @@ class KVCache:
         """Make room for positions [0, length), keeping every stored position."""
         if length <= self.capacity:
             return
-        # BEGIN EXERCISE: grow k and v by doubling the capacity until `length` fits, copying the stored positions [0, seq_len) over
+        # BEGIN EXERCISE: grow the cache until `length` fits, keeping what it holds [#what-you-write]
         capacity = self.capacity
         while capacity < length:
             capacity *= 2

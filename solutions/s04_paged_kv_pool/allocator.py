@@ -60,7 +60,9 @@ class TokenToKVPoolAllocator:
         self.page_allocated[pages] = True
         return pages
 
-    def alloc_extend(self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
+    def alloc_extend(
+        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]
+    ) -> torch.Tensor:
         """Slots for positions [prefix_lens[i], seq_lens[i]) of every request, flattened in
         request order (the ``out_cache_loc`` of a forward pass).
 
@@ -70,7 +72,9 @@ class TokenToKVPoolAllocator:
         """
         p = self.page_size
         if not len(prefix_lens) == len(seq_lens) == len(last_locs):
-            raise ValueError(f"{len(prefix_lens)} prefix lengths, {len(seq_lens)} seq lengths, {len(last_locs)} last locations")
+            raise ValueError(
+                f"{len(prefix_lens)} prefix lengths, {len(seq_lens)} seq lengths, {len(last_locs)} last locations"
+            )
         for i, (prefix, seq, last) in enumerate(zip(prefix_lens, seq_lens, last_locs)):
             if not 0 <= prefix <= seq:
                 raise ValueError(f"request {i}: prefix length {prefix} and seq length {seq} need 0 <= prefix <= seq")
@@ -80,9 +84,11 @@ class TokenToKVPoolAllocator:
         if needed > len(self.free_pages):
             raise PoolExhaustedError(
                 f"KV pool: {needed} pages ({needed * p} slots) needed, {len(self.free_pages)} pages "
-                f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool bigger"
+                f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool "
+                "bigger"
             )
-        # BEGIN EXERCISE: take the fresh pages all requests need (self._take_pages), then give each request the slots of positions [prefix, seq): position j goes to offset j % page_size of the request's (j // page_size)-th page, which is last_loc's page while that one has room
+        # BEGIN EXERCISE: give every request the slots of its new positions, filling its last page first
+        # [#what-you-write]
         fresh = self._take_pages(needed)
         out_cache_loc = []
         for prefix, seq, last in zip(prefix_lens, seq_lens, last_locs):
@@ -113,7 +119,7 @@ class TokenToKVPoolAllocator:
                 f"(page 0, slots 0..{p - 1}, is the reserved dummy)"
             )
         pages = torch.unique(slots // p).tolist()
-        # BEGIN EXERCISE: if any of these pages is not allocated, raise ValueError naming them (double free, or never handed out) before changing anything; otherwise mark them free and put them back on the free list
+        # BEGIN EXERCISE: free pages: refuse a double free before changing anything [#what-you-write]
         not_allocated = [page for page in pages if not self.page_allocated[page]]
         if not_allocated:
             raise ValueError(

@@ -67,7 +67,8 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
         last_locs = [0] * len(rows)
     else:
         last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
-    # BEGIN EXERCISE: allocate out_cache_loc for positions [prefix_len, seq_len) of every request (alloc_slots, or runner.allocator.alloc_extend when it is None), write each request's share into its req_to_token row at those positions, and build the ForwardBatch (runner.attn_backend, req_pool_indices, out_cache_loc)
+    # BEGIN EXERCISE: allocate the new positions' slots, record them in the table, build the ForwardBatch
+    # [#what-you-write]
     out_cache_loc = (alloc_slots or runner.allocator.alloc_extend)(prefix_lens, seq_lens, last_locs)
     start = 0
     for row, prefix_len, seq_len in zip(rows, prefix_lens, seq_lens):
@@ -141,23 +142,17 @@ class StaticBatchEngine:
     def release(self, req: Req) -> None:
         """Give a finished request's slots and table row back."""
         row = req.req_pool_idx
-        # BEGIN EXERCISE: free the slots of the request's stored positions (its req_to_token row up to cached_len) and then its row
+        # BEGIN EXERCISE: free a finished request's slots and its table row [#what-you-write]
         self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[row, : req.cached_len])
         self.runner.req_to_token_pool.free(row)
-        # END EXERCISE
         req.req_pool_idx = None
+        # END EXERCISE
 
     def step(self) -> list[Req]:
         """One forward pass for every running request; returns the requests it finished."""
         batch = self.prepare_forward(self.running)
         logits = self.runner.forward(batch)
-        # BEGIN EXERCISE: mark the tokens just computed as cached (cached_len = device_len), sample one token per running request (stage 2's sample), append it and check whether the request finished
-        for req in self.running:
-            req.cached_len = req.device_len
-        for req, token_id in zip(self.running, sample(logits, self.running).tolist()):
-            req.append_token(token_id)
-            req.check_finished()
-        # END EXERCISE
+        self.process_batch_result(logits)
         check_not_stuck(self.running)
         # Retire at once: a finished request's slots are free for the others from the next step on.
         finished = [req for req in self.running if req.finished]
@@ -165,6 +160,16 @@ class StaticBatchEngine:
             self.release(req)
         self.running = [req for req in self.running if not req.finished]
         return finished
+
+    def process_batch_result(self, logits: torch.Tensor) -> None:
+        """After the pass: row i of ``logits`` belongs to ``self.running[i]``."""
+        # BEGIN EXERCISE: mark the pass cached, sample one token per request, append, check finished [#what-you-write]
+        for req in self.running:
+            req.cached_len = req.device_len
+        for req, token_id in zip(self.running, sample(logits, self.running).tolist()):
+            req.append_token(token_id)
+            req.check_finished()
+        # END EXERCISE
 
     def run(self, reqs: Sequence[Req]) -> None:
         """Run a static batch to completion (each Req ends with its output_ids and finish reason)."""
@@ -215,7 +220,12 @@ def generate_static_batch(
     if len(limits) != len(prompts_ids):
         raise ValueError(f"{len(prompts_ids)} prompts but {len(limits)} max_new_tokens values")
     reqs = [
-        Req(rid=i, origin_input_ids=ids, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n), eos_token_ids=eos_token_ids)
+        Req(
+            rid=i,
+            origin_input_ids=ids,
+            sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n),
+            eos_token_ids=eos_token_ids,
+        )
         for i, (ids, n) in enumerate(zip(prompts_ids, limits))
     ]
     engine = StaticBatchEngine(

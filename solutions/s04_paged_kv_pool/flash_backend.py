@@ -38,7 +38,9 @@ def flash_attn_available() -> bool:
 class FlashAttentionBackend(PagedAttentionBackend):
     def __init__(self, req_to_token_pool, token_to_kv_pool):
         if flash_attn_varlen_func is None:
-            raise RuntimeError('flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend')
+            raise RuntimeError(
+                'flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend'
+            )
         super().__init__(req_to_token_pool, token_to_kv_pool)
         self.block_table: torch.Tensor | None = None
         self.max_extend_len = self.max_seq_len = 0
@@ -70,8 +72,13 @@ class FlashAttentionBackend(PagedAttentionBackend):
         else:
             keys, values, extra = k_buffer[meta.kv_indices], v_buffer[meta.kv_indices], {}
         return flash_attn_varlen_func(
-            q.contiguous(), keys, values,
-            cu_seqlens_q=meta.qo_indptr, cu_seqlens_k=meta.kv_indptr,
-            max_seqlen_q=self.max_extend_len, max_seqlen_k=self.max_seq_len,
-            causal=True, **extra,
+            q.contiguous(),
+            keys,
+            values,
+            cu_seqlens_q=meta.qo_indptr,
+            cu_seqlens_k=meta.kv_indptr,
+            max_seqlen_q=self.max_extend_len,
+            max_seqlen_k=self.max_seq_len,
+            causal=True,
+            **extra,
         )

@@ -43,7 +43,9 @@ class ModelRunner:
             max_running_requests, max_context_len or model.config.max_position_embeddings, device=self.device
         )
         if attention_backend == "auto":
-            use_flash = flash_attn_available() and self.device.type == "cuda" and model.dtype in (torch.float16, torch.bfloat16)
+            use_flash = (
+                flash_attn_available() and self.device.type == "cuda" and model.dtype in (torch.float16, torch.bfloat16)
+            )
             attention_backend = "flash" if use_flash else "torch"
         backend_class = FlashAttentionBackend if attention_backend == "flash" else PagedAttentionBackend
         self.attn_backend = backend_class(self.req_to_token_pool, self.token_to_kv_pool)

@@ -41,6 +41,11 @@ class ForwardMetadata:
     kv_indptr: torch.Tensor  # [num_reqs + 1] int32
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
 
+    def __post_init__(self):
+        # Wrong running offsets would make attention read another request's K/V: say so here.
+        check_indptr("qo_indptr", self.qo_indptr, self.batch.extend_lens, "extend_lens")
+        check_indptr("kv_indptr", self.kv_indptr, self.batch.seq_lens, "seq_lens")
+
 
 def check_indptr(name: str, indptr: torch.Tensor, lens: list[int], lens_name: str) -> None:
     """An indptr array must be the running sum of the lengths, starting at 0: [0, l0, l0+l1, ...]."""
@@ -68,18 +73,18 @@ class PagedAttentionBackend(AttentionBackend):
         if batch.req_pool_indices is None or batch.out_cache_loc is None:
             raise ValueError("a paged forward batch needs req_pool_indices and out_cache_loc")
         if len(batch.out_cache_loc) != len(batch.input_ids):
-            raise ValueError(f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens")
+            raise ValueError(
+                f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens"
+            )
         device = batch.input_ids.device
         rows = batch.req_pool_indices.tolist()
-        # BEGIN EXERCISE: build qo_indptr and kv_indptr (int32 running offsets starting at 0, from extend_lens and seq_lens) and kv_indices (the slots req_to_token[row, :seq_len] of every request, concatenated)
+        # BEGIN EXERCISE: the batch's qo_indptr, kv_indptr and kv_indices [#what-you-write]
         qo_indptr = torch.tensor([0, *batch.extend_lens], device=device).cumsum(0).to(torch.int32)
         kv_indptr = torch.tensor([0, *batch.seq_lens], device=device).cumsum(0).to(torch.int32)
         table = self.req_to_token_pool.req_to_token
         kv_indices = torch.cat([table[row, :seq_len] for row, seq_len in zip(rows, batch.seq_lens)])
+        self.forward_metadata = ForwardMetadata(batch, qo_indptr, kv_indptr, kv_indices)  # checks the indptrs
         # END EXERCISE
-        check_indptr("qo_indptr", qo_indptr, batch.extend_lens, "extend_lens")
-        check_indptr("kv_indptr", kv_indptr, batch.seq_lens, "seq_lens")
-        self.forward_metadata = ForwardMetadata(batch, qo_indptr, kv_indptr, kv_indices)
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
         if self.forward_metadata is None or self.forward_metadata.batch is not batch:
@@ -92,17 +97,19 @@ class PagedAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         meta = self.metadata_for(batch)
         pool = self.token_to_kv_pool
-        # BEGIN EXERCISE: write k, v into the pool at batch.out_cache_loc (set_kv_buffer), gather this layer's K/V at meta.kv_indices, then attend each request's queries over its own gathered K/V with causal_attention
+        # BEGIN EXERCISE: write the new K/V into the pool, then attend each request over its own K/V [#what-you-write]
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         keys = pool.get_key_buffer(layer_id).index_select(0, meta.kv_indices)
         values = pool.get_value_buffer(layer_id).index_select(0, meta.kv_indices)
         outputs, q_start, kv_start = [], 0, 0
         for extend_len, seq_len in zip(batch.extend_lens, batch.seq_lens):
-            outputs.append(causal_attention(
-                q[q_start : q_start + extend_len],
-                keys[kv_start : kv_start + seq_len],
-                values[kv_start : kv_start + seq_len],
-            ))
+            outputs.append(
+                causal_attention(
+                    q[q_start : q_start + extend_len],
+                    keys[kv_start : kv_start + seq_len],
+                    values[kv_start : kv_start + seq_len],
+                )
+            )
             q_start, kv_start = q_start + extend_len, kv_start + seq_len
         return torch.cat(outputs, dim=0)
         # END EXERCISE

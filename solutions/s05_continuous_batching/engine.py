@@ -1,4 +1,4 @@
-"""``Engine``: continuous batching behind two small APIs.
+"""``ContinuousBatchingEngine`` (the package's ``Engine``): continuous batching behind two small APIs.
 
 Offline, the whole workload at once (outputs in the prompts' order, with per-request stats)::
 
@@ -18,9 +18,9 @@ a ``Scheduler`` (which decides what runs each step); everything else is wiring.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Hashable, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Sequence, cast
 
 import torch
 
@@ -72,84 +72,131 @@ def default_pool_size(model: CausalLM, page_size: int, max_running_requests: int
 
 def request_output(req: Req) -> RequestOutput:
     times = req.time_stats
+    arrival = times.arrival
     return RequestOutput(
         **vars(make_output(req)),
-        ttft=None if times.first_token is None else times.first_token - times.arrival,
-        latency=None if times.finished is None else times.finished - times.arrival,
+        ttft=None if times.first_token is None or arrival is None else times.first_token - arrival,
+        latency=None if times.finished is None or arrival is None else times.finished - arrival,
     )
 
 
 def rejected_output(prompt_tokens: int, params: SamplingParams, error: Exception) -> RequestOutput:
     return RequestOutput(
-        text="", output_ids=[], finish_reason=FinishReason("abort"), prompt_tokens=prompt_tokens, output_tokens=0,
-        seed=params.seed, ttft=None, latency=None, error=str(error),
+        text="",
+        output_ids=[],
+        finish_reason=FinishReason("abort"),
+        prompt_tokens=prompt_tokens,
+        output_tokens=0,
+        seed=params.seed,
+        ttft=None,
+        latency=None,
+        error=str(error),
     )
 
 
-class Engine:
+@dataclass
+class EngineConfig:
+    """How an engine is built. ``ContinuousBatchingEngine(model, page_size=4)`` fills one from its
+    keyword arguments; later stages extend it with their own fields (stage 6's RadixEngineConfig...).
+
+    ``pool_size``: KV slots (default: see ``default_pool_size``); ``max_running_requests``: table
+    rows, the most requests in one pass; ``max_prefill_tokens`` and ``new_token_ratio``: see
+    ``Scheduler``. ``trace=True`` prints one line per step; a callable gets each step's
+    ``StepTrace`` instead. ``device`` and ``dtype``: where a model loaded from a path runs."""
+
+    pool_size: int | None = None
+    page_size: int = 1
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    max_prefill_tokens: int = 4096
+    new_token_ratio: float = 0.5
+    max_context_len: int | None = None
+    attention_backend: str = "auto"
+    trace: bool | Callable[[StepTrace], None] = False
+    device: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+
+
+class ContinuousBatchingEngine:
+    config_class: ClassVar[type[EngineConfig]] = EngineConfig  # a later stage names its own config here
+
     def __init__(
         self,
         model: str | Path | CausalLM | None = None,
         tokenizer: Tokenizer | None = None,
-        *,
-        pool_size: int | None = None,
-        page_size: int = 1,
-        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
-        max_prefill_tokens: int = 4096,
-        new_token_ratio: float = 0.5,
-        max_context_len: int | None = None,
-        attention_backend: str = "auto",
-        trace: bool | Callable[[StepTrace], None] = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        config: EngineConfig | None = None,
+        **options: Any,
     ):
         """``model``: a model folder or hub id (default: SmolLM2-135M-Instruct), loaded with its
         tokenizer, or an already loaded ``CausalLM`` (then pass ``tokenizer`` to use text prompts;
-        without one, prompts are token ids). ``pool_size``: KV slots (default: see
-        ``default_pool_size``); ``max_running_requests``: table rows, the most requests in one
-        pass; ``max_prefill_tokens`` and ``new_token_ratio``: see ``Scheduler``. ``trace=True``
-        prints one line per step; a callable gets each step's ``StepTrace`` instead."""
+        without one, prompts are token ids). ``config``, or its fields as keyword ``options``
+        (options given with a config replace its fields): see ``EngineConfig``."""
+        self.config = config = self.make_config(config, **options)
         if model is None or isinstance(model, (str, Path)):
             path = model if model is not None else default_model_path()
-            model = load_model(path, device=device, dtype=dtype)
+            model = load_model(path, device=config.device, dtype=config.dtype)
             tokenizer = tokenizer or Tokenizer(path)
         self.model, self.tokenizer = model, tokenizer
+        max_context_len = config.max_context_len
+        pool_size = config.pool_size
         if pool_size is None:
-            pool_size = default_pool_size(model, page_size, max_running_requests, max_context_len or model.config.max_position_embeddings)
-        context = min(model.config.max_position_embeddings, pool_size)
+            context = max_context_len or model.config.max_position_embeddings
+            pool_size = default_pool_size(model, config.page_size, config.max_running_requests, context)
         self.runner = self.make_runner(
-            pool_size=pool_size, page_size=page_size, max_running_requests=max_running_requests,
-            max_context_len=max_context_len or context, attention_backend=attention_backend,
+            pool_size, max_context_len or min(model.config.max_position_embeddings, pool_size)
         )
-        on_step = print_trace if trace is True else (trace or None)
-        self.scheduler = self.make_scheduler(max_prefill_tokens=max_prefill_tokens, new_token_ratio=new_token_ratio, on_step=on_step)
+        self.scheduler = self.make_scheduler()
         self._next_rid = 0
 
     # --- the seams later stages plug into -----------------------------------------------------------
 
-    def make_runner(self, **runner_args) -> ModelRunner:
-        """The ModelRunner over ``self.model`` (stage 8 returns one that replays CUDA graphs)."""
-        return ModelRunner(self.model, **runner_args)
+    @classmethod
+    def make_config(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
+        """``config`` with ``options`` replacing its fields, or this engine's config_class from
+        ``options`` alone (a TypeError names an unknown option)."""
+        if config is None:
+            return cls.config_class(**options)
+        if not isinstance(config, cls.config_class):
+            raise TypeError(f"{cls.__name__} takes a {cls.config_class.__name__}, got a {type(config).__name__}")
+        return replace(config, **options) if options else config
 
-    def make_scheduler(self, **knobs) -> Scheduler:
+    def make_runner(self, pool_size: int, max_context_len: int) -> ModelRunner:
+        """The ModelRunner over ``self.model`` (stage 8 returns one that replays CUDA graphs)."""
+        c = self.config
+        return ModelRunner(
+            self.model, pool_size, c.page_size, c.max_running_requests, max_context_len, c.attention_backend
+        )
+
+    def scheduler_options(self) -> dict[str, Any]:
+        """The Scheduler's knobs from the config (every stage's scheduler takes them)."""
+        c = self.config
+        on_step = print_trace if c.trace is True else (c.trace or None)
+        return dict(max_prefill_tokens=c.max_prefill_tokens, new_token_ratio=c.new_token_ratio, on_step=on_step)
+
+    def make_scheduler(self) -> Scheduler:
         """The Scheduler over ``self.runner`` (stage 6 plugs in the radix cache, stage 7 chunks prefills)."""
-        return Scheduler(self.runner, NoPrefixCache(self.runner.allocator), **knobs)
+        return Scheduler(self.runner, NoPrefixCache(self.runner.allocator), **self.scheduler_options())
 
     # --- the step API -----------------------------------------------------------------------------
 
-    def make_req(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None) -> Req:
+    def make_req(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None
+    ) -> Req:
         """A ``Req`` for ``prompt`` (text, chat messages or token ids); rid defaults to a counter."""
         if rid is None:
             rid, self._next_rid = self._next_rid, self._next_rid + 1
         if self.tokenizer is None:
             if isinstance(prompt, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError(f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}")
-            ids, eos = list(prompt), self.model.config.eos_token_ids
+                raise ValueError(
+                    f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}"
+                )
+            ids, eos = cast(list[int], list(prompt)), self.model.config.eos_token_ids  # ints, as just checked
         else:
             ids, eos = encode(self.tokenizer, prompt), None  # None: the tokenizer's EOS ids
         return Req(rid, ids, sampling_params or SamplingParams(), tokenizer=self.tokenizer, eos_token_ids=eos)
 
-    def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None) -> Req:
+    def add_request(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None
+    ) -> Req:
         """Queue one request; raises ValueError if it is malformed or could never be served."""
         req = self.make_req(prompt, sampling_params, rid)
         self.scheduler.add_request(req)
@@ -186,7 +233,9 @@ class Engine:
         tokens, and ``error`` says why. Every other request runs as if it were alone.
         """
         if self.has_work:
-            raise RuntimeError("generate() needs an idle engine, but requests added with add_request are still in flight")
+            raise RuntimeError(
+                "generate() needs an idle engine, but requests added with add_request are still in flight"
+            )
         entries: list[Req | RequestOutput] = []  # in the prompts' order, whatever order they finish in
         for prompt, params in pair_prompts_with_params(prompts, sampling_params):
             req = None
@@ -199,3 +248,6 @@ class Engine:
         while self.has_work:
             self.step()
         return [request_output(e) if isinstance(e, Req) else e for e in entries]
+
+
+Engine = ContinuousBatchingEngine  # the stage's public name: every stage package has an Engine

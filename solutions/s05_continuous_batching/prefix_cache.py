@@ -48,7 +48,9 @@ class PrefixCache(Protocol):
     def unlock(self, match: PrefixMatch) -> None:
         """Undo one ``lock``."""
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool) -> None:
+    def cache_finished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool
+    ) -> None:
         """A request leaves. ``slots[i]`` holds the K/V of ``token_ids[i]``, and the first
         ``match.cached_len`` of them came from ``match``. With ``insert`` the cache may keep the
         request's K/V for later requests (it then owns those slots); every slot it does not keep
@@ -81,7 +83,9 @@ class NoPrefixCache:
     def unlock(self, match: PrefixMatch) -> None:
         pass
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool) -> None:
+    def cache_finished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool
+    ) -> None:
         self.allocator.free(slots)  # keep nothing: the K/V of a leaving request is gone
 
     def evictable_size(self) -> int:

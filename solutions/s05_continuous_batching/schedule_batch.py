@@ -56,7 +56,9 @@ class ScheduleBatch:
     def prefill_tokens(self) -> int:
         return sum(req.extend_len for req in self.prefill_reqs)
 
-    def alloc_token_slots(self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
+    def alloc_token_slots(
+        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]
+    ) -> torch.Tensor:
         """The allocator's ``alloc_extend``, after asking the prefix cache to give back evictable
         slots if the free ones do not suffice (a no-op until stage 6 caches anything)."""
         allocator, p = self.runner.allocator, self.runner.page_size

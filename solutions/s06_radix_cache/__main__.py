@@ -61,15 +61,21 @@ def main() -> None:
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.num_requests)]
     prompts = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens)
-    knobs = dict(pool_size=args.pool_size, page_size=args.page_size, max_running_requests=args.max_running_requests,
-                 schedule_policy=args.schedule_policy)
+    knobs = dict(
+        pool_size=args.pool_size,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        schedule_policy=args.schedule_policy,
+    )
     # Warm-up on a throwaway engine: the first passes pay for lazy setup in torch.
     Engine(model, tokenizer, pool_size=512).generate(prompts[:1], SamplingParams(max_new_tokens=2))
 
     system_len = len(tokenizer.encode_prompt([{"role": "system", "content": SYSTEM_PROMPT}]))
     print(f"model: {path}   device: {describe(device)}")
-    print(f"{len(prompts)} requests sharing a system prompt of about {system_len} tokens; "
-          f"{args.max_new_tokens} new tokens each; the first arrives alone\n")
+    print(
+        f"{len(prompts)} requests sharing a system prompt of about {system_len} tokens; "
+        f"{args.max_new_tokens} new tokens each; the first arrives alone\n"
+    )
     results, drawing = {}, None
     for enable in (False, True):
         engine = Engine(model, tokenizer, enable_radix_cache=enable, **knobs)
@@ -83,11 +89,23 @@ def main() -> None:
         stats = engine.scheduler.stats
         ttft = sum(r.time_stats.first_token - r.time_stats.arrival for r in reqs) / len(reqs)
         out = sum(len(r.output_ids) for r in reqs)
-        rows.append((f"{'with' if enable else 'without'} radix cache", stats.prefill_tokens, stats.cached_tokens,
-                     1000 * ttft, out / elapsed, elapsed))
-    print(f"{'':22s} {'prefill computed':>16s} {'found cached':>13s} {'mean TTFT':>10s} {'throughput':>13s} {'total':>8s}")
+        rows.append(
+            (
+                f"{'with' if enable else 'without'} radix cache",
+                stats.prefill_tokens,
+                stats.cached_tokens,
+                1000 * ttft,
+                out / elapsed,
+                elapsed,
+            )
+        )
+    print(
+        f"{'':22s} {'prefill computed':>16s} {'found cached':>13s} {'mean TTFT':>10s} {'throughput':>13s} {'total':>8s}"
+    )
     for name, prefill, cached, ttft, tput, elapsed in rows:
-        print(f"{name:22s} {prefill:>9d} tokens {cached:>6d} tokens {ttft:>7.0f} ms {tput:>7.1f} tok/s {elapsed:>6.2f} s")
+        print(
+            f"{name:22s} {prefill:>9d} tokens {cached:>6d} tokens {ttft:>7.0f} ms {tput:>7.1f} tok/s {elapsed:>6.2f} s"
+        )
     same = all(a.output_ids == b.output_ids for a, b in zip(results[False][1], results[True][1]))
     print(f"\nidentical tokens with and without the cache: {'yes' if same else 'NO'}")
 

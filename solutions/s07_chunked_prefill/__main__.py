@@ -59,7 +59,9 @@ class Timeline:
         return self.token_times[rid][0] - self.long_arrival
 
 
-def long_prompt_arrives(engine: Engine, streams, long_prompt, stream_params, long_params, arrive_after: int) -> Timeline:
+def long_prompt_arrives(
+    engine: Engine, streams, long_prompt, stream_params, long_params, arrive_after: int
+) -> Timeline:
     """Run ``streams`` (rids "s0", "s1", ...); after ``arrive_after`` steps the long prompt (rid
     "long") arrives. Returns the timeline, times in seconds from the start."""
     timeline, start = Timeline(), time.perf_counter()
@@ -87,7 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
     parser.add_argument("--long-tokens", type=int, default=1500, help="length of the long prompt")
-    parser.add_argument("--budgets", default="none,512,128,32", help="chunked_prefill_size values to compare ('none': no chunking)")
+    parser.add_argument(
+        "--budgets", default="none,512,128,32", help="chunked_prefill_size values to compare ('none': no chunking)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens each streaming request generates")
     args = parser.parse_args()
 
@@ -100,22 +104,31 @@ def main() -> None:
     Engine(model, tokenizer, pool_size=512).generate(streams[:1], SamplingParams(max_new_tokens=2))  # warm-up
 
     print(f"model: {path}   device: {describe(device)}")
-    print(f"4 requests streaming {args.max_new_tokens} tokens each; after 5 steps a "
-          f"{len(tokenizer.encode_prompt(document))}-token prompt arrives\n")
-    print(f"{'chunked_prefill_size':>20s} {'streams: worst ITL':>19s} {'median ITL':>11s} {'long prompt TTFT':>17s} {'steps':>6s}")
+    print(
+        f"4 requests streaming {args.max_new_tokens} tokens each; after 5 steps a "
+        f"{len(tokenizer.encode_prompt(document))}-token prompt arrives\n"
+    )
+    print(
+        f"{'chunked_prefill_size':>20s} {'streams: worst ITL':>19s} {'median ITL':>11s} {'long prompt TTFT':>17s} "
+        f"{'steps':>6s}"
+    )
     reference = None
     for budget in budgets:
         engine = Engine(model, tokenizer, chunked_prefill_size=budget)
         timeline = long_prompt_arrives(engine, streams, document, stream_params, long_params, arrive_after=5)
         itl = timeline.itl([f"s{i}" for i in range(len(streams))])
-        print(f"{str(budget):>20s} {1000 * max(itl):>16.0f} ms {1000 * statistics.median(itl):>8.0f} ms "
-              f"{1000 * timeline.ttft('long'):>14.0f} ms {len(timeline.step_ends):>6d}")
+        print(
+            f"{str(budget):>20s} {1000 * max(itl):>16.0f} ms {1000 * statistics.median(itl):>8.0f} ms "
+            f"{1000 * timeline.ttft('long'):>14.0f} ms {len(timeline.step_ends):>6d}"
+        )
         reference = reference or timeline.outputs
         assert timeline.outputs == reference, f"chunked_prefill_size={budget} changed the tokens"
         engine.scheduler.check_invariants()
     print("\nidentical tokens for every budget: yes")
-    print("A smaller budget caps how long the streams stall (worst ITL) at the price of the long prompt's "
-          "TTFT (more, smaller passes).")
+    print(
+        "A smaller budget caps how long the streams stall (worst ITL) at the price of the long prompt's "
+        "TTFT (more, smaller passes)."
+    )
 
 
 if __name__ == "__main__":

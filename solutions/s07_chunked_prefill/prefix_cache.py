@@ -9,7 +9,7 @@ chunk (SGLang's name and contract)::
         Returns its new match: the prefix the cache now holds for it, locked for it; the request
         keeps owning the slots after that prefix.
 
-``RadixCache`` inserts the finished chunks into the tree right away, so another request with
+``ChunkedRadixCache`` inserts the finished chunks into the tree right away, so another request with
 the same prefix can reuse them before the long prompt is even done, and a retracted chunked
 request finds them again. ``ChunkCache`` is SGLang's name for the no-sharing cache used when the
 radix cache is off: the request simply keeps its slots.
@@ -17,12 +17,20 @@ radix cache is off: the request simply keeps its slots.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixMatch
-from s06_radix_cache.radix_cache import RadixCache as StageSixRadixCache
+from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
+from s06_radix_cache.radix_cache import RadixCache
+
+
+class ChunkedPrefixCache(PrefixCache, Protocol):
+    """Stage 5's protocol plus the call after each chunk (the module docstring)."""
+
+    def cache_unfinished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch
+    ) -> PrefixMatch: ...
 
 
 class ChunkCache(NoPrefixCache):
@@ -32,7 +40,7 @@ class ChunkCache(NoPrefixCache):
         return match  # nothing is shared: the request keeps every slot it computed
 
 
-class RadixCache(StageSixRadixCache):
+class ChunkedRadixCache(RadixCache):
     """Stage 6's radix tree, which also takes a chunked request's finished chunks."""
 
     def cache_unfinished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch) -> PrefixMatch:
@@ -41,7 +49,8 @@ class RadixCache(StageSixRadixCache):
         covers the inserted prefix, is locked, and replaces ``match`` (unlocked)."""
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_unfinished_req got {len(token_ids)} tokens but {len(slots)} slots")
-        # BEGIN EXERCISE: insert the page-aligned part of token_ids; free the request's own duplicate slots [match.cached_len, already present); match that part again (its slots are now the tree's), lock the new match BEFORE unlocking the old one, return the new match
+        # BEGIN EXERCISE: insert a half-prefilled request's chunks and hand it the tree's copy
+        # [#the-half-prefilled-request-chunked_req]
         aligned = len(token_ids) // self.page_size * self.page_size
         present = self.insert(token_ids[:aligned], slots[:aligned])
         assert present >= match.cached_len, f"the tree lost a locked prefix ({present} < {match.cached_len} tokens)"
@@ -50,5 +59,5 @@ class RadixCache(StageSixRadixCache):
         # Lock first: between the two calls nothing on the request's path may become evictable.
         self.lock(new_match)
         self.unlock(match)
-        # END EXERCISE
         return new_match
+        # END EXERCISE

@@ -3,14 +3,8 @@
 Without chunking a step computes every admitted prompt whole, and the running requests' decode
 tokens ride in the same pass: a 4000-token prompt makes that pass (and so every running
 request's next token) as slow as a 4000-token prefill. With ``chunked_prefill_size`` = 512 the
-same prompt takes 8 steps, each a 512-token chunk next to the decodes, so nobody's stream stops::
-
-    step  decode rows         prefill rows
-      1   [a b c]             [L 0..511]          L: prompt of 2000 tokens, budget 512
-      2   [a b c]             [L 512..1023]
-      3   [a b c]             [L 1024..1535]
-      4   [a b c]             [L 1536..1999 | M 0..47]   L's last chunk; M fits the rest of the budget
-      5   [a b c L M]         []                  L and M sampled their first token in step 4
+same prompt takes 8 steps, each a 512-token chunk next to the decodes, so nobody's stream stops
+(the README's "The idea" draws those steps).
 
 Rules of the half-prefilled request (SGLang's ``chunked_req``; at most one at a time, since
 cutting a prompt uses up the step's budget):
@@ -27,7 +21,7 @@ cutting a prompt uses up the step's budget):
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
@@ -36,6 +30,8 @@ from s04_paged_kv_pool.allocator import pages_for
 from s05_continuous_batching.schedule_batch import ScheduleBatch
 from s06_radix_cache.scheduler import RadixScheduler
 
+from .prefix_cache import ChunkedPrefixCache
+
 
 def prefill_pending(req: Req) -> bool:
     """Whether the request's prefill is unfinished after its current pass (more chunks to go)."""
@@ -43,6 +39,8 @@ def prefill_pending(req: Req) -> bool:
 
 
 class ChunkedPrefillScheduler(RadixScheduler):
+    prefix_cache: ChunkedPrefixCache
+
     def __init__(self, runner, prefix_cache, chunked_prefill_size: int | None = 512, **knobs):
         """``chunked_prefill_size``: the prompt tokens one step may compute; a prompt that does not
         fit what is left of it is cut there and continued in later steps. None: no chunking
@@ -51,7 +49,10 @@ class ChunkedPrefillScheduler(RadixScheduler):
         ``prefix_cache`` must offer ``cache_unfinished_req`` (see prefix_cache.py); ``knobs``:
         stage 6's (schedule_policy, max_prefill_tokens, new_token_ratio, on_step, clock)."""
         if chunked_prefill_size is not None and chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be a positive number of tokens or None (no chunking), got {chunked_prefill_size}")
+            raise ValueError(
+                "chunked_prefill_size must be a positive number of tokens or None (no chunking), got "
+                f"{chunked_prefill_size}"
+            )
         super().__init__(runner, prefix_cache, **knobs)
         self.chunked_prefill_size = chunked_prefill_size
         self.chunked_req: Req | None = None  # the request whose prefill is half done, between steps
@@ -67,7 +68,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
         """The rest of ``req``'s fill_ids, cut to what is left of the step's budget."""
         rest = len(req.fill_ids) - cached_len
-        # BEGIN EXERCISE: without chunking, or with no budget left (the request then waits, as in stage 5), return the whole rest; else at most the budget
+        # BEGIN EXERCISE: a request's pass length under the step's prefill budget [#what-you-write]
         if self.chunked_prefill_size is None or budget < 1:
             return rest
         return min(rest, budget)
@@ -79,15 +80,19 @@ class ChunkedPrefillScheduler(RadixScheduler):
         rest = self.prefill_len(req, req.cached_len, budget)
         room = self.available_slots() - self.reserved_slots(self.running)
         # Whole pages: the chunk first fills the request's last page, then takes new ones.
-        room_tokens = (pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size) * self.page_size - req.cached_len
+        room_tokens = (
+            pages_for(req.cached_len, self.page_size) + max(room, 0) // self.page_size
+        ) * self.page_size - req.cached_len
         return max(0, min(rest, room_tokens))
 
-    def admit_new_requests(self, budget: int | None = None) -> list[Req]:
+    def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """The half-prefilled request's next chunk first, then stage 5's admission of waiting
-        requests in what is left of the budget (where the last one admitted may be cut)."""
+        requests in what is left of the budget (where the last one admitted may be cut).
+        ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []
-        # BEGIN EXERCISE: if a request is half prefilled (self.chunked_req): size its next chunk (next_chunk_len); with no room it waits and nothing else is admitted (no one overtakes it): return []. Else take it out of chunked_req, set its device_len to the chunk's end, charge the budget; if its prefill is still pending after this chunk the budget is spent: return it alone
+        # BEGIN EXERCISE: the half-prefilled request's next chunk first, then stage 5's admission
+        # [#the-half-prefilled-request-chunked_req]
         req = self.chunked_req
         if req is not None:
             chunk = self.next_chunk_len(req, budget)
@@ -99,8 +104,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
             continuing.append(req)
             if prefill_pending(req):
                 return continuing
+        return continuing + super().admit_new_requests(scheduled=[*scheduled, *continuing], budget=budget)
         # END EXERCISE
-        return continuing + super().admit_new_requests(scheduled=continuing, budget=budget)
 
     # --- after the pass ----------------------------------------------------------------------------
 
@@ -116,7 +121,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """A request whose prefill is still pending stores its chunk and waits for its next one
         (never sampled); everyone else goes through stage 5's processing, with its own logits row."""
-        # BEGIN EXERCISE: for each request of batch.reqs whose prefill is pending: mark the chunk cached, cache_unfinished_req it, take it out of self.running and keep it as self.chunked_req; then call stage 5's process_batch_result on a ScheduleBatch of the other requests (same decode/prefill split) with their logits rows only
+        # BEGIN EXERCISE: park the requests whose prefill is pending; sample the others
+        # [#the-half-prefilled-request-chunked_req]
         pending = [i for i, req in enumerate(batch.reqs) if prefill_pending(req)]
         for i in pending:
             req = batch.reqs[i]
@@ -126,7 +132,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
             self.chunked_req = req
         rest = [i for i in range(len(batch.reqs)) if i not in pending]
         others = ScheduleBatch(
-            self.runner, self.prefix_cache, decode_reqs=batch.decode_reqs,
+            self.runner,
+            self.prefix_cache,
+            decode_reqs=batch.decode_reqs,
             prefill_reqs=[req for req in batch.prefill_reqs if not prefill_pending(req)],
         )
         return super().process_batch_result(others, logits[rest])
@@ -141,10 +149,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
         req = self.chunked_req
         if req is not None:
             self.chunked_req = None
-            self.release_req(req, insert=True)  # with the radix cache its finished chunks stay in the tree
+            self.release_req(req, "retracted")  # with the radix cache its finished chunks stay in the tree
             self.waiting.appendleft(req)
-            req.time_stats.retracted.append(self.clock())
-            self.stats.num_retractions += 1
             retracted.append(req)
         return retracted + super().retract_for_decode()
 
@@ -153,7 +159,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         if req is None or req.rid != rid:
             return super().abort_request(rid)
         self.chunked_req = None
-        self.release_req(req, insert=False)
+        self.release_req(req, "aborted")
         req.abort()
         req.time_stats.finished = self.clock()
         return True

@@ -49,7 +49,8 @@ from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 from s04_paged_kv_pool.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from .model_runner import ModelRunner
+    from .decode_attention import DecodeAttentionBackend
+    from .model_runner import GraphModelRunner
 
 DUMMY_SLOT = 0  # slot 0 (page 0) of the KV pool is never handed out (s04 memory_pool.py)
 MIN_KV_LEN_BUCKET = 64
@@ -61,7 +62,7 @@ def capture_bs_buckets(max_bs: int) -> list[int]:
     """The batch sizes graphs are captured for: 1, 2, 4, 8, then steps of 8, and max_bs itself."""
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
-    # BEGIN EXERCISE: 1, 2, 4, 8 and then every multiple of 8, all up to max_bs, and max_bs itself as the largest bucket (sorted, no duplicates)
+    # BEGIN EXERCISE: the batch-size buckets to capture [#what-you-write]
     buckets = [bs for bs in (1, 2, 4) if bs < max_bs] + list(range(8, max_bs, 8))
     return buckets + [max_bs]
     # END EXERCISE
@@ -71,7 +72,7 @@ def kv_len_buckets(max_kv_len: int) -> list[int]:
     """Key lengths graphs are captured for: 64, 128, 256, ... doubling, and max_kv_len itself."""
     if max_kv_len < 1:
         raise ValueError(f"the table width (max_context_len) must be >= 1, got {max_kv_len}")
-    # BEGIN EXERCISE: MIN_KV_LEN_BUCKET, doubling, every length below max_kv_len, then max_kv_len itself as the largest
+    # BEGIN EXERCISE: the KV-length buckets to capture [#what-you-write]
     buckets, length = [], MIN_KV_LEN_BUCKET
     while length < max_kv_len:
         buckets.append(length)
@@ -89,11 +90,11 @@ def reserve_dummy_row(pool: ReqToTokenPool) -> int:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", max_bs: int, max_kv_len: int, dummy_req_pool_idx: int):
+    def __init__(self, model_runner: "GraphModelRunner", max_bs: int, max_kv_len: int, dummy_req_pool_idx: int):
         """Graphs for decodes of up to ``max_bs`` requests whose longest sequence has up to
         ``max_kv_len`` tokens (capped at the table's width), all captured here."""
         self.model = model_runner.model
-        self.attn_backend = model_runner.attn_backend
+        self.attn_backend: DecodeAttentionBackend = model_runner.attn_backend
         self.device = model_runner.device
         self.use_cuda_graph = self.device.type == "cuda"  # elsewhere: the same path, run eagerly
         self.capture_bs = capture_bs_buckets(max_bs)
@@ -127,20 +128,28 @@ class CudaGraphRunner:
         return [(bs, kv_len) for bs in reversed(self.capture_bs) for kv_len in reversed(self.capture_kv_lens)]
 
     def describe(self) -> str:
-        what = (f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
-                f"{self.capture_kv_lens[0]}..{self.max_kv_len})")
+        what = (
+            f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
+            f"{self.capture_kv_lens[0]}..{self.max_kv_len})"
+        )
         if not self.use_cuda_graph:
             return f"{what}, run eagerly (no CUDA here: nothing to capture)"
-        return f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, {self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        return (
+            f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, "
+            f"{self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        )
 
     # --- which batches, which bucket --------------------------------------------------------------
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for a decode batch (one new token per request) of at most max_bs requests, none
         longer than max_kv_len tokens."""
-        # BEGIN EXERCISE: a graph can run the batch when it is a pure decode (forward_batch.forward_mode), it has at most self.max_bs requests and its longest sequence (seq_lens) has at most self.max_kv_len tokens
-        return (forward_batch.forward_mode is ForwardMode.DECODE and forward_batch.num_reqs <= self.max_bs
-                and max(forward_batch.seq_lens) <= self.max_kv_len)
+        # BEGIN EXERCISE: can a graph run this batch? [#what-you-write]
+        return (
+            forward_batch.forward_mode is ForwardMode.DECODE
+            and forward_batch.num_reqs <= self.max_bs
+            and max(forward_batch.seq_lens) <= self.max_kv_len
+        )
         # END EXERCISE
 
     def bucket_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
@@ -149,8 +158,10 @@ class CudaGraphRunner:
         if not 1 <= num_reqs <= self.max_bs:
             raise ValueError(f"{num_reqs} requests: graph buckets hold 1..{self.max_bs} (larger decodes run eagerly)")
         if not 1 <= max_seq_len <= self.max_kv_len:
-            raise ValueError(f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)")
-        # BEGIN EXERCISE: the smallest entry of self.capture_bs that is >= num_reqs and of self.capture_kv_lens that is >= max_seq_len (bisect.bisect_left on the sorted lists)
+            raise ValueError(
+                f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)"
+            )
+        # BEGIN EXERCISE: the smallest bucket that holds the batch [#what-you-write]
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, num_reqs)]
         kv_len = self.capture_kv_lens[bisect.bisect_left(self.capture_kv_lens, max_seq_len)]
         return bs, kv_len
@@ -171,7 +182,8 @@ class CudaGraphRunner:
                 raise
             except Exception as error:
                 raise RuntimeError(
-                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): {type(error).__name__}: {error}. "
+                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): "
+                    f"{type(error).__name__}: {error}. "
                     "Run without graphs (--disable-cuda-graph, Engine(disable_cuda_graph=True)) or with fewer buckets "
                     "(--cuda-graph-max-bs, --cuda-graph-max-kv-len)."
                 ) from error
@@ -199,7 +211,7 @@ class CudaGraphRunner:
         if self.use_cuda_graph:
             # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
             self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])
-            # BEGIN EXERCISE: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make gpu-check) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers
+            # BEGIN EXERCISE: warm up, then capture one bucket's decode pass [#what-you-write]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -231,7 +243,9 @@ class CudaGraphRunner:
         n = forward_batch.num_reqs
         bucket = self.bucket_for(n, max(forward_batch.seq_lens))
         bs, kv_len = bucket
-        # BEGIN EXERCISE: copy the batch's input_ids, positions, req_pool_indices and out_cache_loc into the first n rows of the static buffers (copy_, never a new tensor), seq_lens too (a decode token sits at position seq_len - 1, so positions + 1: no host-to-device copy), pad rows n..bs with fill_padding, then refill the backend's metadata (init_forward_metadata_replay_cuda_graph)
+        # The static batch's host-side fields say what its rows now hold (the graph reads none of them).
+        self.batches[bucket].seq_lens = list(forward_batch.seq_lens) + [1] * (bs - n)
+        # BEGIN EXERCISE: copy the batch into the static buffers and pad it to its bucket [#what-you-write]
         self.input_ids[:n].copy_(forward_batch.input_ids)
         self.positions[:n].copy_(forward_batch.positions)
         self.req_pool_indices[:n].copy_(forward_batch.req_pool_indices)
@@ -239,10 +253,8 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(forward_batch.positions + 1)
         self.fill_padding(n, bs)
         self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])
-        # END EXERCISE
-        # The static batch's host-side fields say what its rows now hold (the graph reads none of them).
-        self.batches[bucket].seq_lens = list(forward_batch.seq_lens) + [1] * (bs - n)
         return bucket
+        # END EXERCISE
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] of the real rows: the bucket's graph replayed on CUDA, the

@@ -28,16 +28,23 @@ def demo(server_args: ServerArgs, argv: list[str], question: str, max_tokens: in
 
     from .server_process import ServerProcess
 
-    print(f"starting the server on {server_args.model_names()[0]} (the API server, tokenizer, scheduler and detokenizer processes) ...",
-          flush=True)
+    print(
+        f"starting the server on {server_args.model_names()[0]} (the API server, tokenizer, scheduler and "
+        "detokenizer processes) ...",
+        flush=True,
+    )
     with ServerProcess([*argv, "--enable-debug-endpoints"]) as server:  # /debug/state lists the pids
         client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
         [model] = [m.id for m in client.models.list()]
         print(f"\nuser: {question}\nassistant: ", end="", flush=True)
         start, first, finish, usage = time.perf_counter(), None, None, None
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         for chunk in stream:
             if chunk.usage is not None:
@@ -48,8 +55,11 @@ def demo(server_args: ServerArgs, argv: list[str], question: str, max_tokens: in
                     print(choice.delta.content, end="", flush=True)
                 finish = choice.finish_reason or finish
         elapsed = time.perf_counter() - start
-        print(f"\n\n[finish_reason={finish}, {usage.prompt_tokens} prompt tokens, {usage.completion_tokens} completion tokens; "
-              f"first text after {1000 * (first - start):.0f} ms, {usage.completion_tokens / elapsed:.1f} tokens/s]")
+        print(
+            f"\n\n[finish_reason={finish}, {usage.prompt_tokens} prompt tokens, {usage.completion_tokens} completion "
+            "tokens; "
+            f"first text after {1000 * (first - start):.0f} ms, {usage.completion_tokens / elapsed:.1f} tokens/s]"
+        )
         pids = server.get("/debug/state")["pids"]
         print("stopping the server ...", flush=True)
     left = [name for name, pid in pids.items() if still_running(pid)]
@@ -67,9 +77,13 @@ def still_running(pid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_cli_args(parser)
-    parser.add_argument("--demo", action="store_true", help="start the server, stream one chat through the openai client, stop it")
+    parser.add_argument(
+        "--demo", action="store_true", help="start the server, stream one chat through the openai client, stop it"
+    )
     parser.add_argument("--demo-question", default=DEMO_QUESTION)
     parser.add_argument("--demo-max-tokens", type=int, default=64)
     args = parser.parse_args(argv)

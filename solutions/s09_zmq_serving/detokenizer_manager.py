@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 def stop_hold_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of ``text`` could still be the start of a stop string:
     the longest proper prefix of some stop string that ``text`` ends with (0 if none)."""
-    # BEGIN EXERCISE: the longest k < len(s) (for any stop string s) such that text ends with s[:k]; 0 when none
+    # BEGIN EXERCISE: how many trailing characters might start a stop string
+    # [#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy]
     longest = 0
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), longest, -1):
@@ -66,7 +67,8 @@ class DecodeStatus:
         the text the client may see now. Joined, the returned pieces are the request's final
         text: the released text, cut before a matched stop string (and a matched stop token /
         EOS is not text), with every other tail sent once the request is over."""
-        # BEGIN EXERCISE: append new_ids; if the request ended on a stop token / EOS (finish_reason.matched is an int) the final text is self.detokenizer.flush(ids without that last token); otherwise step the detokenizer, and search its new text for a stop string (stage 2's find_stop_str; remember where it starts in self.stop_pos); once finished the final text is text[:stop_pos] after a stop string, else flush(all ids); while running, send up to stop_pos, or up to the end minus stop_hold_back(...); return only what was not sent yet
+        # BEGIN EXERCISE: the new text a request may show, holding back what a stop string may take
+        # [#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy]
         self.output_ids += new_ids
         detok = self.detokenizer
         if finish_reason is not None and isinstance(finish_reason.matched, int):

@@ -23,8 +23,8 @@ from typing import Any
 from s02_request_and_sampling.req import FinishReason
 from s02_request_and_sampling.sampling_params import SamplingParams
 
-
 # --- API server -> tokenizer worker -> scheduler -------------------------------------------------
+
 
 @dataclass
 class GenerateReqInput:
@@ -79,6 +79,7 @@ class DebugFaultReq:
 
 
 # --- scheduler -> detokenizer -> API server ------------------------------------------------------
+
 
 @dataclass
 class BatchTokenIDOut:

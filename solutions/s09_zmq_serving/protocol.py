@@ -47,8 +47,15 @@ class InvalidRequest(ValueError):
     """A request this server refuses: the HTTP status, OpenAI's error fields, and headers
     (``Retry-After`` on a 503)."""
 
-    def __init__(self, message: str, param: str | None = None, status_code: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status_code, self.type, self.code = message, param, status_code, type, code
         self.headers = headers
@@ -57,7 +64,9 @@ class InvalidRequest(ValueError):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -121,22 +130,37 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-def check_supported(request: _SamplingFields) -> None:
+def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject the fields that would change the result and that this server does not implement."""
-    unsupported = [
-        ("n", request.n not in (None, 1), "n > 1 (several choices per request) is not supported; send n=1 or leave it out"),
+    unsupported: list[tuple[str, object, str]] = [
+        (
+            "n",
+            request.n not in (None, 1),
+            "n > 1 (several choices per request) is not supported; send n=1 or leave it out",
+        ),
         ("logprobs", request.logprobs not in (None, False, 0), "logprobs are not supported by this server"),
         ("top_logprobs", request.top_logprobs not in (None, 0), "top_logprobs are not supported by this server"),
         ("logit_bias", bool(request.logit_bias), "logit_bias is not supported by this server"),
-        ("presence_penalty", request.presence_penalty not in (None, 0), "presence_penalty is not supported; leave it at 0"),
-        ("frequency_penalty", request.frequency_penalty not in (None, 0), "frequency_penalty is not supported; leave it at 0"),
+        (
+            "presence_penalty",
+            request.presence_penalty not in (None, 0),
+            "presence_penalty is not supported; leave it at 0",
+        ),
+        (
+            "frequency_penalty",
+            request.frequency_penalty not in (None, 0),
+            "frequency_penalty is not supported; leave it at 0",
+        ),
     ]
     if isinstance(request, ChatCompletionRequest):
         unsupported += [
             ("tools", bool(request.tools), "tools (function calling) are not supported by this server"),
             ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported by this server"),
-            ("response_format", request.response_format not in (None, {"type": "text"}),
-             "response_format other than text (JSON mode, schemas) is not supported by this server"),
+            (
+                "response_format",
+                request.response_format not in (None, {"type": "text"}),
+                "response_format other than text (JSON mode, schemas) is not supported by this server",
+            ),
         ]
     else:
         unsupported += [
@@ -150,6 +174,7 @@ def check_supported(request: _SamplingFields) -> None:
 
 
 # --- bounds ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -169,16 +194,21 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:
-            raise InvalidRequest(f"{path}: a string must be valid Unicode; character {error.start} is a lone surrogate "
-                                 f"(U+{ord(text[error.start]):04X}), which cannot be encoded as UTF-8", param=path) from None
+            raise InvalidRequest(
+                f"{path}: a string must be valid Unicode; character {error.start} is a lone surrogate "
+                f"(U+{ord(text[error.start]):04X}), which cannot be encoded as UTF-8",
+                param=path,
+            ) from None
     context = limits.context_len
     for field in ("max_tokens", "max_completion_tokens"):
         value = getattr(request, field, None)
         if value is not None and not 1 <= value <= context:
             raise InvalidRequest(f"{field} must be >= 1 and <= {context} (the context), got {value}", param=field)
     if request.top_k is not None and not (request.top_k == -1 or 1 <= request.top_k <= limits.vocab_size):
-        raise InvalidRequest(f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the vocabulary), got {request.top_k}",
-                             param="top_k")
+        raise InvalidRequest(
+            f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the vocabulary), got {request.top_k}",
+            param="top_k",
+        )
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {request.seed}", param="seed")
     for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
@@ -189,13 +219,19 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     if any(len(stop) > MAX_STOP_CHARS for stop in stops):
-        raise InvalidRequest(f"each stop string may be at most {MAX_STOP_CHARS} characters long, got one of "
-                             f"{max(map(len, stops))}", param="stop")
+        raise InvalidRequest(
+            f"each stop string may be at most {MAX_STOP_CHARS} characters long, got one of {max(map(len, stops))}",
+            param="stop",
+        )
     if isinstance(request, ChatCompletionRequest):
         if len(request.messages) > context:
-            raise InvalidRequest(f"{len(request.messages)} messages cannot fit a context of {context} tokens", param="messages")
-        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content)
-                    for m in request.messages)
+            raise InvalidRequest(
+                f"{len(request.messages)} messages cannot fit a context of {context} tokens", param="messages"
+            )
+        chars = sum(
+            len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content)
+            for m in request.messages
+        )
         where = "messages"
     elif isinstance(request.prompt, str):
         chars, where = len(request.prompt), "prompt"
@@ -203,14 +239,20 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
         chars, where = 0, "prompt"
         ids = [p for p in request.prompt if isinstance(p, int)]
         if len(ids) > context:
-            raise InvalidRequest(f"the prompt has {len(ids)} token ids, more than the context of {context} tokens", param="prompt")
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} token ids, more than the context of {context} tokens", param="prompt"
+            )
         bad = [t for t in ids if not 0 <= t < limits.prompt_vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {limits.prompt_vocab_size}), got {bad[:5]}", param="prompt")
+            raise InvalidRequest(
+                f"prompt token ids must be in [0, {limits.prompt_vocab_size}), got {bad[:5]}", param="prompt"
+            )
     if chars > limits.max_prompt_chars:
-        raise InvalidRequest(f"the prompt has {chars} characters, more than the {limits.max_prompt_chars} this server takes "
-                             f"(no text that long fits the context of {context} tokens); refused without tokenizing it",
-                             param=where)
+        raise InvalidRequest(
+            f"the prompt has {chars} characters, more than the {limits.max_prompt_chars} this server takes "
+            f"(no text that long fits the context of {context} tokens); refused without tokenizing it",
+            param=where,
+        )
 
 
 def strings(value, path: str = ""):
@@ -249,7 +291,9 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
         content = message.content
         if not isinstance(content, str):
             if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequest(f"messages[{i}].content: only text parts are supported", param=f"messages.{i}.content")
+                raise InvalidRequest(
+                    f"messages[{i}].content: only text parts are supported", param=f"messages.{i}.content"
+                )
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
         out.append({"role": role, "content": content, **({"name": message.name} if message.name is not None else {})})
@@ -261,32 +305,41 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     prompt = request.prompt
     if isinstance(prompt, str):
         return prompt, None
-    if prompt and all(isinstance(p, int) for p in prompt):
-        if any(p < 0 for p in prompt):
+    ids = [p for p in prompt if isinstance(p, int)]
+    if prompt and len(ids) == len(prompt):
+        if any(p < 0 for p in ids):
             raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
-        return None, list(prompt)
+        return None, ids
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    raise InvalidRequest("prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt")
+    raise InvalidRequest(
+        "prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt"
+    )
 
 
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:
     """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
     it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
     (param = the API's field name) for a value that cannot be served."""
-    # BEGIN EXERCISE: pick max_tokens (or max_completion_tokens: both given and different is an error), check max_tokens >= 1, then build SamplingParams from the fields (None -> SamplingParams' default): it checks the rest; turn its ValueError into InvalidRequest naming the field its message starts with
+    # BEGIN EXERCISE: the request's SamplingParams from the OpenAI fields [#what-you-write]
     max_tokens = request.max_tokens
     other = getattr(request, "max_completion_tokens", None)
     if other is not None:
         if max_tokens is not None and max_tokens != other:
-            raise InvalidRequest(f"max_tokens ({max_tokens}) and max_completion_tokens ({other}) disagree; send one",
-                                 param="max_completion_tokens")
+            raise InvalidRequest(
+                f"max_tokens ({max_tokens}) and max_completion_tokens ({other}) disagree; send one",
+                param="max_completion_tokens",
+            )
         max_tokens = other
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    given = {
-        "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-        "min_p": request.min_p, "seed": request.seed, "stop": request.stop,
+    given: dict[str, Any] = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "stop": request.stop,
     }
     try:
         params = SamplingParams(
@@ -303,47 +356,71 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
 
 # --- responses ------------------------------------------------------------------------------------
 
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def chat_completion(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": finish_reason}],
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chat_completion(
+    rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
 def completion(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-               usage_: dict | None = None) -> dict:
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, usage_: dict | None = None
+) -> dict:
     """One SSE chunk of a streamed chat; ``delta=None`` makes the usage-only chunk (no choices)."""
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    chunk["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    chunk["choices"] = (
+        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    )
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
-                     usage_: dict | None = None) -> dict:
+def completion_chunk(
+    rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None, usage_: dict | None = None
+) -> dict:
     """One SSE chunk of a streamed completion; ``text=None`` makes the usage-only chunk."""
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    chunk["choices"] = (
+        [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    )
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

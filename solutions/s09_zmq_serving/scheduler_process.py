@@ -31,16 +31,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 import zmq
 
 from s02_request_and_sampling.req import FinishReason
-from s10_overlap_scheduling.engine import Engine  # the newest stage's engine: this one line picks what is served
+from s08_cuda_graph.engine import CudaGraphEngine
 
 from .io_struct import (
-    AbortReq, BatchTokenIDOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, TokenizedGenerateReqInput,
+    AbortReq,
+    BatchTokenIDOut,
+    DebugFaultReq,
+    DebugStateOut,
+    DebugStateReq,
+    ErrorOut,
+    TokenizedGenerateReqInput,
     describe_error,
 )
 from .worker_loop import IDLE_POLL_MS, Fault, Heartbeats
@@ -50,36 +56,52 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(model: str, knobs: dict[str, Any]) -> Engine:
+def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
+    """The engine the server runs: the newest stage's, stage 10's overlapped one; with
+    ``--disable-overlap``, stage 8's, the same engine without the overlapped loop. Stage 10 is
+    imported only when it is served, so this stage (and its tests, which pass
+    ``--disable-overlap``) needs nothing beyond stage 9."""
     knobs = dict(knobs)
     if isinstance(knobs.get("dtype"), str):
         if knobs["dtype"] not in DTYPES:
             raise ValueError(f"--dtype {knobs['dtype']!r} is not one of {sorted(DTYPES)}")
         knobs["dtype"] = DTYPES[knobs["dtype"]]
-    return Engine(model, **knobs)
+    if knobs.pop("disable_overlap", False):
+        return CudaGraphEngine(model, **knobs)
+    from s10_overlap_scheduling.engine import OverlapEngine  # here, not at the top: see the docstring
+
+    return OverlapEngine(model, **knobs)
 
 
-def context_len(engine: Engine) -> int:
+def context_len(engine: CudaGraphEngine) -> int:
     """The longest sequence (prompt + generated) one request may reach on this engine."""
     runner = engine.runner
-    return min(engine.model.config.max_position_embeddings, runner.req_to_token_pool.max_context_len, runner.allocator.size)
+    return min(
+        engine.model.config.max_position_embeddings, runner.req_to_token_pool.max_context_len, runner.allocator.size
+    )
 
 
 class SchedulerProcess:
-    def __init__(self, engine: Engine, recv_from_tokenizer: zmq.Socket, send_to_detokenizer: zmq.Socket,
-                 heartbeats: Heartbeats | None = None):
+    def __init__(
+        self,
+        engine: CudaGraphEngine,
+        recv_from_tokenizer: zmq.Socket,
+        send_to_detokenizer: zmq.Socket,
+        heartbeats: Heartbeats | None = None,
+    ):
         self.engine = engine
         self.recv_from_tokenizer = recv_from_tokenizer
         self.send_to_detokenizer = send_to_detokenizer
         self.heartbeats = heartbeats
-        self.reqs: dict[str, Any] = {}  # rid -> the engine's Req, while it is waiting or running
+        self.reqs: dict[Hashable, Any] = {}  # rid -> the engine's Req, while it is waiting or running
         self.context_len = context_len(engine)
 
     # --- the loop -------------------------------------------------------------------------------
 
     def event_loop(self) -> None:
         while True:
-            # BEGIN EXERCISE: receive what arrived (self.recv_requests: block only when the engine has no work), process each (self.process_input_request), then if the engine has work run one batch (self.run_batch: one engine step) and send its outputs (self.send_outputs)
+            # BEGIN EXERCISE: one turn of the loop: receive, process, run a batch, send
+            # [#the-scheduler-loop-scheduler_processpy]
             for message in self.recv_requests(block=not self.engine.has_work):
                 self.process_input_request(message)
             if self.engine.has_work:
@@ -92,7 +114,7 @@ class SchedulerProcess:
         iteration: it beats the heartbeat that /health reads."""
         if self.heartbeats is not None:
             self.heartbeats.beat("scheduler")
-        messages = []
+        messages: list[Any] = []
         if block and not self.recv_from_tokenizer.poll(IDLE_POLL_MS):
             return messages
         while True:
@@ -120,12 +142,17 @@ class SchedulerProcess:
                 raise TypeError(f"the scheduler got a message it does not know: {message!r:.100}")
         except Exception as error:
             rid = getattr(message, "rid", None)
-            logger.exception("the scheduler failed on %s %s; the request gets an error, the process goes on",
-                             type(message).__name__, rid or "")
+            logger.exception(
+                "the scheduler failed on %s %s; the request gets an error, the process goes on",
+                type(message).__name__,
+                rid or "",
+            )
             if isinstance(message, TokenizedGenerateReqInput) and self.reqs.pop(rid, None) is not None:
                 self.engine.abort_request(rid)  # the engine had taken it: free what it holds
             if isinstance(rid, str) and not isinstance(message, AbortReq):
-                self.send_to_detokenizer.send_pyobj(ErrorOut.internal(rid, error, "the scheduler failed on this request"))
+                self.send_to_detokenizer.send_pyobj(
+                    ErrorOut.internal(rid, error, "the scheduler failed on this request")
+                )
 
     # --- requests in ------------------------------------------------------------------------------
 
@@ -133,7 +160,8 @@ class SchedulerProcess:
         params = req.sampling_params
         if req.fill_max_new_tokens:  # no max_tokens: up to the end of the context
             params = dataclasses.replace(params, max_new_tokens=max(1, self.context_len - len(req.input_ids) + 1))
-        # BEGIN EXERCISE: add the request to the engine (token ids, params, rid) and remember its Req in self.reqs; a ValueError means it can never be served: send an ErrorOut (status 400, the error's message) to the detokenizer instead
+        # BEGIN EXERCISE: add a tokenized request to the engine, or answer why it cannot be served
+        # [#the-scheduler-loop-scheduler_processpy]
         try:
             self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)
         except ValueError as error:
@@ -143,12 +171,19 @@ class SchedulerProcess:
     def abort_request(self, rid: str) -> None:
         """The client went away: end the request now (its KV is freed) and tell the detokenizer
         to forget it. A request that already finished is gone: nothing to do."""
-        # BEGIN EXERCISE: if the engine aborts it (engine.abort_request returns True), drop it from self.reqs and send a BatchTokenIDOut with no new tokens and FinishReason("abort") so the detokenizer forgets it
+        # BEGIN EXERCISE: abort a request and tell the detokenizer [#aborts-on-disconnect]
         if self.engine.abort_request(rid):
             req = self.reqs.pop(rid)
-            self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(
-                [rid], [[]], [FinishReason("abort")], [len(req.origin_input_ids)], [len(req.output_ids)],
-                [req.sampling_params.stop]))
+            self.send_to_detokenizer.send_pyobj(
+                BatchTokenIDOut(
+                    [rid],
+                    [[]],
+                    [FinishReason("abort")],
+                    [len(req.origin_input_ids)],
+                    [len(req.output_ids)],
+                    [req.sampling_params.stop],
+                )
+            )
         # END EXERCISE
 
     # --- one step -------------------------------------------------------------------------------
@@ -165,12 +200,18 @@ class SchedulerProcess:
             failed = self.engine.abort_failed_step()
             for req in failed:
                 if self.reqs.pop(req.rid, None) is not None:
-                    self.send_to_detokenizer.send_pyobj(ErrorOut.internal(req.rid, error, "the engine failed while running this request"))
+                    self.send_to_detokenizer.send_pyobj(
+                        ErrorOut.internal(str(req.rid), error, "the engine failed while running this request")
+                    )
             problems = self.check_invariants()
             if problems is not None:
-                raise RuntimeError(f"after a failed step ({describe_error(error)}) the engine's state is broken, "
-                                   f"so the scheduler stops:\n{problems}") from error
-            logger.warning("aborted %d request(s) of the failed step; the invariants hold, serving goes on", len(failed))
+                raise RuntimeError(
+                    f"after a failed step ({describe_error(error)}) the engine's state is broken, "
+                    f"so the scheduler stops:\n{problems}"
+                ) from error
+            logger.warning(
+                "aborted %d request(s) of the failed step; the invariants hold, serving goes on", len(failed)
+            )
             return []
 
     # --- outputs out ------------------------------------------------------------------------------
@@ -186,8 +227,11 @@ class SchedulerProcess:
                 # Only an abort_request that dropped the request here without ending it in the
                 # engine gets here: it still runs and holds its KV. Said, not crashed on, so that
                 # /debug/state (untracked_requests) and the leak checks can show it.
-                logger.error("the engine stepped request %s, which this process no longer tracks: abort_request dropped "
-                             "it from self.reqs without engine.abort_request, so it still runs and holds its KV", out.rid)
+                logger.error(
+                    "the engine stepped request %s, which this process no longer tracks: abort_request dropped "
+                    "it from self.reqs without engine.abort_request, so it still runs and holds its KV",
+                    out.rid,
+                )
                 continue
             if out.finish_reason is not None:
                 del self.reqs[out.rid]
@@ -220,16 +264,20 @@ class SchedulerProcess:
         in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()] if not req.finished]
         return {
             # running: every request that holds memory (the half-prefilled one, one that waits for a step in flight)
-            "running": len(scheduler.reqs_holding_memory()), "waiting": len(scheduler.waiting),
+            "running": len(scheduler.reqs_holding_memory()),
+            "waiting": len(scheduler.waiting),
             "tracked_requests": len(self.reqs),
             # requests the engine still runs that this process forgot (an abort that did not end them there)
             "untracked_requests": [rid for rid in in_engine if rid not in self.reqs],
-            "pool_size": allocator.size, "free_slots": allocator.available_size(),
+            "pool_size": allocator.size,
+            "free_slots": allocator.available_size(),
             "tree_cached_tokens": tree.total_size() if tree is not None else 0,
             "tree_locked_tokens": tree.protected_size_ if tree is not None else 0,
-            "steps": scheduler.stats.steps, "context_len": self.context_len,
+            "steps": scheduler.stats.steps,
+            "context_len": self.context_len,
             # where and how the passes run: e.g. "cuda:0", "torch.bfloat16", {"eager": 12, "graph": 340}
-            "device": str(self.engine.model.device), "dtype": str(self.engine.model.dtype),
+            "device": str(self.engine.model.device),
+            "dtype": str(self.engine.model.dtype),
             "forward_paths": dict(self.engine.runner.forward_paths),
             "invariants": self.check_invariants() or "ok",
         }
@@ -249,7 +297,7 @@ class SchedulerProcess:
             armed.fire()
             return forward(batch)
 
-        runner.forward = faulty_forward
+        runner.forward = faulty_forward  # type: ignore[method-assign]  # one shot, see faulty_forward
 
 
 def run_scheduler_process(server_args, ipc, ready, heartbeats) -> None:
@@ -261,6 +309,12 @@ def run_scheduler_process(server_args, ipc, ready, heartbeats) -> None:
     send_to_detokenizer = context.socket(zmq.PUSH)
     send_to_detokenizer.connect(ipc.detokenizer)
     scheduler = SchedulerProcess(engine, recv_from_tokenizer, send_to_detokenizer, heartbeats)
-    ready({"context_len": scheduler.context_len, "device": str(engine.model.device),
-           "vocab_size": engine.model.config.vocab_size, "max_running_requests": engine.scheduler.max_running_requests})
+    ready(
+        {
+            "context_len": scheduler.context_len,
+            "device": str(engine.model.device),
+            "vocab_size": engine.model.config.vocab_size,
+            "max_running_requests": engine.scheduler.max_running_requests,
+        }
+    )
     scheduler.event_loop()

@@ -27,13 +27,15 @@ class ServerProcess:
     ``new_session`` gives it its own process group (as a terminal would, for Ctrl-C tests). The
     implementation switch reaches it through the environment (tools/switch_site)."""
 
-    def __init__(self, args: list[str], port: int | None = None, log=None, env: dict | None = None,
-                 new_session: bool = False):
+    def __init__(
+        self, args: list[str], port: int | None = None, log=None, env: dict | None = None, new_session: bool = False
+    ):
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "s09_zmq_serving", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env,
-                                     start_new_session=new_session)
+        self.proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env, start_new_session=new_session
+        )
 
     def get(self, path: str, timeout: float = 10) -> dict:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as answer:
@@ -77,4 +79,3 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-

@@ -36,20 +36,31 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"model: {path}   device: {describe(model.device)}   torch threads: {threads}   load average: {load:.2f}")
-    print(f"{args.requests} requests x {args.max_new_tokens} new tokens, greedy; per step means, fastest of {args.repeats} runs\n")
+    print(
+        f"{args.requests} requests x {args.max_new_tokens} new tokens, greedy; "
+        f"per step means, fastest of {args.repeats} runs\n"
+    )
     results = compare(model, tokenizer, prompts, params, repeats=args.repeats)
-    print(f"{'overlap':>8s} {'steps':>6s} {'schedule ms':>12s} {'forward ms':>11s} {'process ms':>11s} {'step ms':>8s} "
-          f"{'CPU hidden':>11s} {'device idle':>12s} {'tokens/s':>9s}")
+    print(
+        f"{'overlap':>8s} {'steps':>6s} {'schedule ms':>12s} {'forward ms':>11s} {'process ms':>11s} {'step ms':>8s} "
+        f"{'CPU hidden':>11s} {'device idle':>12s} {'tokens/s':>9s}"
+    )
     for name, (_, s) in results.items():
-        print(f"{name:>8s} {s['steps']:>6d} {s['schedule_ms']:>12.2f} {s['forward_ms']:>11.2f} {s['process_ms']:>11.2f} "
-              f"{s['step_ms']:>8.2f} {s['hidden']:>10.0%} {s['idle']:>11.0%} {s['tokens_per_s']:>9.1f}")
+        print(
+            f"{name:>8s} {s['steps']:>6d} {s['schedule_ms']:>12.2f} {s['forward_ms']:>11.2f} {s['process_ms']:>11.2f} "
+            f"{s['step_ms']:>8.2f} {s['hidden']:>10.0%} {s['idle']:>11.0%} {s['tokens_per_s']:>9.1f}"
+        )
     off, on = results["off"], results["on"]
     same = [a.output_ids for a in off[0].outputs] == [b.output_ids for b in on[0].outputs]
-    print(f"\nthroughput, overlap on / off: {on[1]['tokens_per_s'] / off[1]['tokens_per_s']:.2f}x   "
-          f"tokens identical: {'yes' if same else 'NO'}")
+    print(
+        f"\nthroughput, overlap on / off: {on[1]['tokens_per_s'] / off[1]['tokens_per_s']:.2f}x   "
+        f"tokens identical: {'yes' if same else 'NO'}"
+    )
     if model.device.type != "cuda":
-        print("on a CPU the forward and the scheduler share the machine's cores (and Python's GIL between torch ops), "
-              "so less is hidden than on a GPU, where the forward runs on the device alone")
+        print(
+            "on a CPU the forward and the scheduler share the machine's cores (and Python's GIL between torch ops), "
+            "so less is hidden than on a GPU, where the forward runs on the device alone"
+        )
     if not same:
         raise SystemExit("the two runs produced different tokens")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-
 from s05_continuous_batching.engine import RequestOutput
 
 from .scheduler import StepTiming
@@ -70,7 +69,9 @@ def compare(model, tokenizer, prompts, params, repeats: int = 1, **knobs) -> dic
     engines = {name: Engine(model, tokenizer, disable_overlap=name == "off", **knobs) for name in ("off", "on")}
     runs: dict[str, list[TimedRun]] = {name: [] for name in engines}
     for engine in engines.values():
-        engine.generate(prompts[:2], params[:2] if isinstance(params, list) else params)  # warm-up (and the worker's start)
+        engine.generate(
+            prompts[:2], params[:2] if isinstance(params, list) else params
+        )  # warm-up (and the worker's start)
     for _ in range(repeats):
         for name, engine in engines.items():
             runs[name].append(timed_generate(engine, prompts, params))

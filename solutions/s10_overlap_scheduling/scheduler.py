@@ -89,11 +89,12 @@ class LaunchedBatch:
 
 
 class OverlapScheduler(ChunkedPrefillScheduler):
-    def __init__(self, runner, prefix_cache, **knobs):
-        """``knobs``: stage 7's (chunked_prefill_size, schedule_policy, max_prefill_tokens,
-        new_token_ratio, on_step, clock). Overlap is on; ``enable_overlap = False`` turns it off."""
+    def __init__(self, runner, prefix_cache, enable_overlap: bool = True, **knobs):
+        """``enable_overlap``: False runs the same pieces in the plain order (see the module
+        docstring). ``knobs``: stage 7's (chunked_prefill_size, schedule_policy,
+        max_prefill_tokens, new_token_ratio, on_step, clock)."""
         super().__init__(runner, prefix_cache, **knobs)
-        self.enable_overlap = True
+        self.enable_overlap = enable_overlap
         self.future_map = FutureMap(FUTURES_PER_ROW * self.max_running_requests, runner.device)
         self.worker: OverlapWorker | None = None  # started with the first step
         self.last: LaunchedBatch | None = None  # the step in flight
@@ -121,8 +122,8 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.settle(launched)
             self.last = launched
             return self.process_last()
+        # BEGIN EXERCISE: the overlapped order: launch step N+1, then process step N [#what-you-write]
         outputs: list[TokenOutput] = []
-        # BEGIN EXERCISE: the overlapped order. If a step is in flight and must_wait_for_last(): process it first (self.process_last()). Then schedule and launch the next step (self.schedule_and_launch(); None if nothing can run), process the step that was in flight before it (if any), settle the new one, and keep it as self.last. Return every TokenOutput processed
         if self.last is not None and self.must_wait_for_last():
             outputs += self.process_last()
         launched = self.schedule_and_launch()
@@ -131,8 +132,8 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         if launched is not None:
             self.settle(launched)
         self.last = launched
-        # END EXERCISE
         return outputs
+        # END EXERCISE
 
     def must_wait_for_last(self) -> bool:
         """Whether the next step can only be built once the step in flight is processed: it
@@ -153,14 +154,20 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         start = self.clock()
         short = self.next_pass_slots(self.decoding_reqs()) > self.available_slots()
         retracted = self.retract_for_decode() if short else []  # only after must_wait_for_last: nothing in flight
+        if short:
+            self.check_room_after_retraction()
+        for req in retracted:  # stage 5's step() does the same bookkeeping
+            req.time_stats.retracted.append(start)
+        self.stats.num_retractions += len(retracted)
         admitted = self.admit_new_requests()
         decodes = self.decoding_reqs()
         if not decodes and not admitted:
             if self.last is None and self.has_work and not self.ending:
                 head = self.waiting[0] if self.waiting else self.chunked_req
                 raise RuntimeError(
-                    f"nothing can run: request {head.rid} is first in line and its prefill needs {slots_to_extend(head, self.page_size)} "
-                    f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running will free more"
+                    f"nothing can run: request {head.rid} is first in line and its prefill needs "
+                    f"{slots_to_extend(head, self.page_size)} KV slots, {self.available_slots()} of "
+                    f"{self.runner.allocator.size} are free and nothing running will free more"
                 )
             return None
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=decodes, prefill_reqs=admitted)
@@ -173,7 +180,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         built = self.clock()  # the CPU's part ends here (without overlap the forward runs next, on this thread)
         launch = self.worker.submit if self.enable_overlap else self.worker.run_now
         result = launch(forward_batch, rows, sampled, future_ids)
-        return LaunchedBatch(batch, sampled, chunked, future_ids, result, (start, built), batch.prefill_tokens, retracted)
+        return LaunchedBatch(
+            batch, sampled, chunked, future_ids, result, (start, built), batch.prefill_tokens, retracted
+        )
 
     def settle(self, launched: LaunchedBatch) -> None:
         """The launched step's bookkeeping, done after the previous step was processed: the K/V of
@@ -196,15 +205,22 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         start = self.clock()
         outputs = self.process_batch_result_overlap(launched, result.token_ids, next_batch)
         end = self.clock()
-        self.timeline.append(StepTiming(
-            self.stats.steps + 1, launched.schedule, (result.start, result.end), (start, end),
-            len(launched.batch.reqs), launched.prefill_tokens,
-        ))
+        self.timeline.append(
+            StepTiming(
+                self.stats.steps + 1,
+                launched.schedule,
+                (result.start, result.end),
+                (start, end),
+                len(launched.batch.reqs),
+                launched.prefill_tokens,
+            )
+        )
         self.record_step(launched, outputs, end)
         return outputs
 
-    def process_batch_result_overlap(self, launched: LaunchedBatch, token_ids: list[int],
-                                     next_batch: LaunchedBatch | None) -> list[TokenOutput]:
+    def process_batch_result_overlap(
+        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+    ) -> list[TokenOutput]:
         """Step N's results, while step N+1 runs: the half-prefilled requests keep their chunk and
         wait for the next one (as in stage 7); each sampled request replaces its future id by its
         token and checks its stop conditions; whoever finished is released, unless the step in
@@ -216,8 +232,23 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.cache_unfinished_req(req)
             self.running.remove(req)
             self.chunked_req = req
-        outputs, got_token = [], []
-        # BEGIN EXERCISE: for each sampled request with its future id and token: if it already ended (finished at the step before, or aborted), drop its future id if it is still its last output id (self.drop_future), release_ended it, and go on. Else its last output id is its future id: replace it by the token, check_finished, record a TokenOutput; if it finished: take it out of self.running, and release it (insert=True) unless it is in the step in flight, next_batch (then add it to self.ending). Then check_not_stuck the requests that got a token
+        outputs, got_token = self.process_sampled(launched, token_ids, next_batch)
+        now = self.clock()
+        for req in got_token:
+            if req.time_stats.first_token is None:
+                req.time_stats.first_token = now
+            if req.finished:
+                req.time_stats.finished = now
+        return outputs
+
+    def process_sampled(
+        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+    ) -> tuple[list[TokenOutput], list[Req]]:
+        """Each sampled request of step N with its future id and its token: the stream's outputs,
+        and the requests that got a token."""
+        # BEGIN EXERCISE: each future id becomes its token; release what ended, unless still in flight [#what-you-write]
+        outputs: list[TokenOutput] = []
+        got_token: list[Req] = []
         in_flight = set(map(id, next_batch.batch.reqs)) if next_batch is not None else set()
         for req, future_id, token_id in zip(launched.sampled, launched.future_ids, token_ids):
             if req.finished:
@@ -225,7 +256,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
                 self.release_ended(req)
                 self.dropped_tokens += 1
                 continue
-            assert req.output_ids[-1] == future_id, f"request {req.rid}: its newest output id should be the future {future_id}"
+            assert req.output_ids[-1] == future_id, (
+                f"request {req.rid}: its newest output id should be the future {future_id}"
+            )
             req.output_ids[-1] = token_id
             req.check_finished()
             got_token.append(req)
@@ -235,16 +268,10 @@ class OverlapScheduler(ChunkedPrefillScheduler):
                 if id(req) in in_flight:
                     self.ending.append(req)
                 else:
-                    self.release_req(req, insert=True)
+                    self.release_req(req, "finished")
         check_not_stuck(got_token)
+        return outputs, got_token
         # END EXERCISE
-        now = self.clock()
-        for req in got_token:
-            if req.time_stats.first_token is None:
-                req.time_stats.first_token = now
-            if req.finished:
-                req.time_stats.finished = now
-        return outputs
 
     def drop_future(self, req: Req, future_id: int) -> None:
         """An ended request's token of the step in flight is discarded: if its future id is its
@@ -259,14 +286,16 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         position had one of its own), so it leaves with the K/V of exactly the positions stage 8
         keeps: all but its last token. An aborted one keeps everything it computed (all real
         tokens: its future id is gone), as an abort between two stage-8 steps does."""
-        # BEGIN EXERCISE: keep all computed positions (cached_len) if it was aborted, else all but the last one (cached_len - 1: the extra position the dropped step stored); free the slots from the first whole page after keep (pages_for(keep) * page_size) up to cached_len, set cached_len = keep; then release_req (insert unless aborted) and remove it from self.ending
+        # BEGIN EXERCISE: drop the extra position a dropped step stored, then release the request [#what-you-write]
         aborted = req.finished_reason.type == "abort"
         keep = req.cached_len if aborted else req.cached_len - 1
         first_free = pages_for(keep, self.page_size) * self.page_size
         if first_free < req.cached_len:
-            self.runner.allocator.free(self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, first_free : req.cached_len])
+            self.runner.allocator.free(
+                self.runner.req_to_token_pool.req_to_token[req.req_pool_idx, first_free : req.cached_len]
+            )
         req.cached_len = keep
-        self.release_req(req, insert=not aborted)
+        self.release_req(req, "aborted" if aborted else "finished")
         if req in self.ending:
             self.ending.remove(req)
         # END EXERCISE
@@ -279,15 +308,22 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         stats.prefill_tokens += launched.prefill_tokens
         stats.decode_tokens += len(batch.decode_reqs)
         if self.on_step is not None:
-            self.on_step(StepTrace(
-                step=stats.steps, start=launched.schedule[0], end=now,
-                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=launched.prefill_tokens,
-                decode_rids=[req.rid for req in batch.decode_reqs],
-                running=len(self.running), waiting=len(self.waiting),
-                free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
-                retracted_rids=[req.rid for req in launched.retracted],
-                finished_rids=[out.rid for out in outputs if out.finish_reason is not None],
-            ))
+            self.on_step(
+                StepTrace(
+                    step=stats.steps,
+                    start=launched.schedule[0],
+                    end=now,
+                    prefill_rids=[req.rid for req in batch.prefill_reqs],
+                    prefill_tokens=launched.prefill_tokens,
+                    decode_rids=[req.rid for req in batch.decode_reqs],
+                    running=len(self.running),
+                    waiting=len(self.waiting),
+                    free_slots=self.runner.allocator.available_size(),
+                    pool_size=self.runner.allocator.size,
+                    retracted_rids=[req.rid for req in launched.retracted],
+                    finished_rids=[out.rid for out in outputs if out.finish_reason is not None],
+                )
+            )
 
     # --- requests ending from outside -------------------------------------------------------------------
 
@@ -322,5 +358,5 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             req.cached_len = req.prefix_match.cached_len if req.prefix_match is not None else 0
         ending, self.ending = self.ending, []
         for req in ending:
-            self.release_req(req, insert=False)
+            self.release_req(req, "aborted")
         return ending + super().abort_failed_step()

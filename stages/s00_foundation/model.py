@@ -103,7 +103,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderStack(config)
         # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.rotary = RotaryEmbedding(config)
 
     @property
@@ -125,7 +127,9 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
-        if not return_all_logits and batch.forward_mode is not ForwardMode.DECODE:  # a decode's rows are its last tokens
+        if (
+            not return_all_logits and batch.forward_mode is not ForwardMode.DECODE
+        ):  # a decode's rows are its last tokens
             last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
             x = x[last]
         x = self.model.norm(x)

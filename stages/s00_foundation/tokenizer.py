@@ -45,7 +45,9 @@ class Tokenizer:
         """Messages go through the chat template; so does a plain string for a chat model
         (as one user turn), since that is how chat models were trained to be asked."""
         if isinstance(prompt, str):
-            return self.apply_chat_template([{"role": "user", "content": prompt}]) if self.is_chat else self.encode(prompt)
+            return (
+                self.apply_chat_template([{"role": "user", "content": prompt}]) if self.is_chat else self.encode(prompt)
+            )
         return self.apply_chat_template(list(prompt))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -1,7 +1,10 @@
 """Naive greedy generation: every step runs the WHOLE sequence through the model again.
 
-Step t processes prompt_len + t tokens and attention inside it costs O(len^2), so producing N
-tokens costs O(N^3) in total. Nothing is remembered between steps; stage 3 fixes exactly that.
+Step t runs all prompt_len + t tokens through every layer: the projections and the MLP cost
+grows linearly with that length and attention's quadratically. So N new tokens cost O(N^2) in
+matmuls plus O(N^3) in attention; on a small model the matmuls dominate until contexts are long
+(notebook 01 measures a step time that grows about linearly). Nothing is remembered between
+steps; stage 3 fixes exactly that.
 """
 
 from __future__ import annotations
@@ -10,14 +13,16 @@ from typing import Sequence
 
 import torch
 
-from s00_foundation.attention import NoCacheBackend
-from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.attention import NoCacheBackend  # noqa: F401
+from s00_foundation.forward_batch import ForwardBatch  # noqa: F401
 from s00_foundation.model import CausalLM
 
 
 def next_token_logits(model: CausalLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[vocab]`` for the token that follows ``token_ids``, computed from scratch."""
-    raise NotImplementedError("Stage 1: build a ForwardBatch holding the whole sequence (one request, nothing cached, NoCacheBackend) and return the model's logits for it - see stages/s01_naive_generate/README.md")
+    raise NotImplementedError(
+        "Stage 1: the logits of the next token for the whole sequence (one ForwardBatch, nothing cached) - see stages/s01_naive_generate/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 def naive_generate(
@@ -29,6 +34,8 @@ def naive_generate(
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens, new_tokens = list(input_ids), []
-    raise NotImplementedError("Stage 1: loop - logits of the whole sequence, greedy pick (argmax), append, stop at an EOS id or after max_new_tokens - see stages/s01_naive_generate/README.md")
-    return new_tokens
+    tokens = list(input_ids)  # noqa: F841
+    new_tokens: list[int] = []  # noqa: F841
+    raise NotImplementedError(
+        "Stage 1: the greedy loop: recompute, pick, append, stop - see stages/s01_naive_generate/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+    )

@@ -28,7 +28,9 @@ def top_k_mask(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     probs: [B, V] float; top_k: [B] int. Returns a [B, V] bool mask of the kept tokens. Ties
     at the boundary are broken by the sort, so exactly k tokens are kept.
     """
-    raise NotImplementedError("Stage 2: keep the k most likely tokens of each row (k = -1 keeps the whole row) - see stages/s02_request_and_sampling/README.md")
+    raise NotImplementedError(
+        "Stage 2: top-k: keep the k most likely tokens of each row - see stages/s02_request_and_sampling/README.md#the-sampler-logits-b-v--one-token-per-row"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -37,7 +39,9 @@ def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     A token is kept when the tokens more likely than it hold less than top_p of the mass, so
     the most likely token is always kept. top_p = 1 keeps the whole row. Returns [B, V] bool.
     """
-    raise NotImplementedError("Stage 2: keep the smallest set of most likely tokens whose mass reaches top_p - see stages/s02_request_and_sampling/README.md")
+    raise NotImplementedError(
+        "Stage 2: top-p: keep the smallest set of likeliest tokens whose mass reaches top_p - see stages/s02_request_and_sampling/README.md#the-sampler-logits-b-v--one-token-per-row"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -45,7 +49,9 @@ def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
     min_p = 0 keeps every token. Returns [B, V] bool.
     """
-    raise NotImplementedError("Stage 2: keep tokens with p >= min_p * (the row's largest p) - see stages/s02_request_and_sampling/README.md")
+    raise NotImplementedError(
+        "Stage 2: min-p: keep tokens with p >= min_p times the row's largest p - see stages/s02_request_and_sampling/README.md#the-sampler-logits-b-v--one-token-per-row"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
@@ -55,6 +61,11 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     seed alone, not on the other requests in the batch.
     """
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
-        raise ValueError(f"logits must be [batch, vocab] with one row per request; got {tuple(logits.shape)} for {len(reqs)} requests")
-    params = [req.sampling_params for req in reqs]
-    raise NotImplementedError("Stage 2: greedy fast path; otherwise temperature, the three masks, and one draw per row from its request's generator - see stages/s02_request_and_sampling/README.md")
+        raise ValueError(
+            f"logits must be [batch, vocab] with one row per request; got {tuple(logits.shape)} for {len(reqs)} "
+            "requests"
+        )
+    params = [req.sampling_params for req in reqs]  # noqa: F841
+    raise NotImplementedError(
+        "Stage 2: one token per row: greedy, or temperature, masks and one draw per request - see stages/s02_request_and_sampling/README.md#the-sampler-logits-b-v--one-token-per-row"  # noqa: E501 (one message, the learner's to read whole)
+    )

@@ -42,7 +42,9 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        raise NotImplementedError("Stage 2: check every field and raise ValueError saying what is wrong and what is allowed - see stages/s02_request_and_sampling/README.md")
+        raise NotImplementedError(
+            "Stage 2: check every field; a ValueError says what is wrong and what is allowed - see stages/s02_request_and_sampling/README.md#samplingparams-what-the-caller-asked-for"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     @property
     def is_greedy(self) -> bool:

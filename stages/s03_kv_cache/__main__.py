@@ -44,8 +44,10 @@ def main() -> None:
         print(f"{name:17s} {len(ids):4d} tokens in {seconds:6.2f} s = {len(ids) / seconds:7.1f} tokens/s")
     same = naive_ids == cached_ids
     print(f"tokens identical: {same}")
-    print(f"speedup of the KV cache: {naive_s / cached_s:.1f}x "
-          f"(grows with the length: naive step t recomputes {len(prompt_ids)} + t tokens, cached computes 1)")
+    print(
+        f"speedup of the KV cache: {naive_s / cached_s:.1f}x "
+        f"(grows with the length: naive step t recomputes {len(prompt_ids)} + t tokens, cached computes 1)"
+    )
     if not same:
         raise SystemExit("naive and cached generation disagree: the cache changed the result")
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from s00_foundation.attention import AttentionBackend, causal_attention
+from s00_foundation.attention import AttentionBackend, causal_attention  # noqa: F401
 
 from .kv_cache import KVCache
 
@@ -30,7 +30,8 @@ class KVCacheBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         if batch.num_reqs != len(self.caches):
             raise ValueError(f"the batch has {batch.num_reqs} requests but the backend holds {len(self.caches)} caches")
-        outputs, start = [], 0
+        outputs: list[torch.Tensor] = []  # each request's attention output, in batch order
+        start = 0
         for i, (cache, prefix_len, seq_len) in enumerate(zip(self.caches, batch.prefix_lens, batch.seq_lens)):
             # The new tokens must continue exactly where the cache ends: a gap would leave
             # positions nobody wrote, an overlap would overwrite K/V that are already final.
@@ -43,7 +44,8 @@ class KVCacheBackend(AttentionBackend):
                     f"request {i}: {seq_len} positions do not fit a cache of capacity {cache.capacity}; "
                     "call cache.reserve(seq_len) before the forward pass"
                 )
-            end = start + (seq_len - prefix_len)
-            raise NotImplementedError("Stage 3: store this request's new k, v (rows start:end) at positions [prefix_len, seq_len) of layer layer_id, then attend its queries over positions [0, seq_len) with causal_attention - see stages/s03_kv_cache/README.md")
-            start = end
+            end = start + (seq_len - prefix_len)  # noqa: F841
+            raise NotImplementedError(
+                "Stage 3: store this request's new K/V in its cache, then attend over the whole cache - see stages/s03_kv_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+            )
         return torch.cat(outputs, dim=0)

@@ -20,17 +20,19 @@ import torch
 from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.engine import GenerateOutput, PromptInput, check_not_stuck, make_output, make_reqs
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.sampler import sample  # noqa: F401
 from s02_request_and_sampling.sampling_params import SamplingParams
 
-from .generate import extend
+from .generate import extend  # noqa: F401
 from .kv_cache import KVCache
 
 
 def forward_step(model: torch.nn.Module, reqs: Sequence[Req], caches: Sequence[KVCache]) -> None:
     """One forward pass for all ``reqs`` (caches[i] is reqs[i]'s cache): each sends what its
     cache lacks, then takes one sampled token."""
-    raise NotImplementedError("Stage 3: extend each cache with its request's fill_ids[cached_len:device_len], mark those tokens cached (cached_len = device_len), sample one token per request (stage 2's sample), append it and check whether the request finished - see stages/s03_kv_cache/README.md")
+    raise NotImplementedError(
+        "Stage 3: one cached step: extend every request's cache, sample, append - see stages/s03_kv_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 def generate(

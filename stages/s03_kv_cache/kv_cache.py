@@ -58,7 +58,9 @@ class KVCache:
         """Make room for positions [0, length), keeping every stored position."""
         if length <= self.capacity:
             return
-        raise NotImplementedError("Stage 3: grow k and v by doubling the capacity until `length` fits, copying the stored positions [0, seq_len) over - see stages/s03_kv_cache/README.md")
+        raise NotImplementedError(
+            "Stage 3: grow the cache until `length` fits, keeping what it holds - see stages/s03_kv_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def __repr__(self) -> str:
         return f"KVCache(seq_len={self.seq_len}, capacity={self.capacity}, {self.nbytes / 2**20:.1f} MiB)"

@@ -53,8 +53,10 @@ def main() -> None:
     kv_bytes = model.config.kv_bytes_per_token(model.dtype)
 
     print(f"model: {path}   device: {describe(device)}   attention: {engine.runner.attention_backend_name}")
-    print(f"pool: {pool_size} slots x {kv_bytes / 1024:.1f} KiB per token = {pool_size * kv_bytes / 2**20:.1f} MiB, "
-          f"page size {args.page_size}; {len(reqs)} requests, prompts of {[len(r.origin_input_ids) for r in reqs]} tokens")
+    print(
+        f"pool: {pool_size} slots x {kv_bytes / 1024:.1f} KiB per token = {pool_size * kv_bytes / 2**20:.1f} MiB, "
+        f"page size {args.page_size}; {len(reqs)} requests, prompts of {[len(r.origin_input_ids) for r in reqs]} tokens"
+    )
 
     start, steps, pictures = time.perf_counter(), 0, []
     engine.add_requests(reqs)
@@ -64,13 +66,22 @@ def main() -> None:
             steps += 1
             used = pool_size - engine.runner.allocator.available_size()
             if steps == 1:
-                pictures.append((f"after the prefill (one ragged pass of {sum(len(r.origin_input_ids) for r in reqs)} tokens): "
-                                 f"{used}/{pool_size} slots in use", draw(engine.slot_map())))
+                pictures.append(
+                    (
+                        f"after the prefill (one ragged pass of {sum(len(r.origin_input_ids) for r in reqs)} tokens): "
+                        f"{used}/{pool_size} slots in use",
+                        draw(engine.slot_map()),
+                    )
+                )
             elif finished and len(pictures) == 1 and engine.running:
                 names = ", ".join(string.ascii_uppercase[reqs.index(r)] for r in finished)
                 whose = "its" if len(finished) == 1 else "their"
-                pictures.append((f"step {steps}: {names} finished and freed {whose} slots; {used}/{pool_size} in use",
-                                 draw(engine.slot_map())))
+                pictures.append(
+                    (
+                        f"step {steps}: {names} finished and freed {whose} slots; {used}/{pool_size} in use",
+                        draw(engine.slot_map()),
+                    )
+                )
     elapsed = time.perf_counter() - start
 
     outputs = [make_output(req) for req in reqs]
@@ -82,8 +93,10 @@ def main() -> None:
         print(title)
         print(picture)
     total = sum(out.output_tokens for out in outputs)
-    print(f"\n{total} tokens in {steps} steps, {elapsed:.2f} s = {total / elapsed:.1f} tokens/s "
-          f"(one forward pass per step for the whole batch)")
+    print(
+        f"\n{total} tokens in {steps} steps, {elapsed:.2f} s = {total / elapsed:.1f} tokens/s "
+        f"(one forward pass per step for the whole batch)"
+    )
     print(f"after the batch: {engine.runner.allocator.available_size()}/{pool_size} slots free")
     engine.runner.allocator.check_invariants(owners=[])
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from s00_foundation.device import host_to_device
+from s00_foundation.device import host_to_device  # noqa: F401
 
 from .memory_pool import PoolExhaustedError
 
@@ -60,7 +60,9 @@ class TokenToKVPoolAllocator:
         self.page_allocated[pages] = True
         return pages
 
-    def alloc_extend(self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
+    def alloc_extend(
+        self, prefix_lens: Sequence[int], seq_lens: Sequence[int], last_locs: Sequence[int]
+    ) -> torch.Tensor:
         """Slots for positions [prefix_lens[i], seq_lens[i]) of every request, flattened in
         request order (the ``out_cache_loc`` of a forward pass).
 
@@ -70,7 +72,9 @@ class TokenToKVPoolAllocator:
         """
         p = self.page_size
         if not len(prefix_lens) == len(seq_lens) == len(last_locs):
-            raise ValueError(f"{len(prefix_lens)} prefix lengths, {len(seq_lens)} seq lengths, {len(last_locs)} last locations")
+            raise ValueError(
+                f"{len(prefix_lens)} prefix lengths, {len(seq_lens)} seq lengths, {len(last_locs)} last locations"
+            )
         for i, (prefix, seq, last) in enumerate(zip(prefix_lens, seq_lens, last_locs)):
             if not 0 <= prefix <= seq:
                 raise ValueError(f"request {i}: prefix length {prefix} and seq length {seq} need 0 <= prefix <= seq")
@@ -80,9 +84,12 @@ class TokenToKVPoolAllocator:
         if needed > len(self.free_pages):
             raise PoolExhaustedError(
                 f"KV pool: {needed} pages ({needed * p} slots) needed, {len(self.free_pages)} pages "
-                f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool bigger"
+                f"({self.available_size()} slots) free of {self.num_pages}; free finished requests or make the pool "
+                "bigger"
             )
-        raise NotImplementedError("Stage 4: take the fresh pages all requests need (self._take_pages), then give each request the slots of positions [prefix, seq): position j goes to offset j % page_size of the request's (j // page_size)-th page, which is last_loc's page while that one has room - see stages/s04_paged_kv_pool/README.md")
+        raise NotImplementedError(
+            "Stage 4: give every request the slots of its new positions, filling its last page first - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back the pages that ``slots`` lie in (a finished request's slots: whole pages).
@@ -100,8 +107,10 @@ class TokenToKVPoolAllocator:
                 f"cannot free slot(s) {outside[:8].tolist()}: usable slots are {p}..{(self.num_pages + 1) * p - 1} "
                 f"(page 0, slots 0..{p - 1}, is the reserved dummy)"
             )
-        pages = torch.unique(slots // p).tolist()
-        raise NotImplementedError("Stage 4: if any of these pages is not allocated, raise ValueError naming them (double free, or never handed out) before changing anything; otherwise mark them free and put them back on the free list - see stages/s04_paged_kv_pool/README.md")
+        pages = torch.unique(slots // p).tolist()  # noqa: F841
+        raise NotImplementedError(
+            "Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def check_invariants(self, owners: Sequence[torch.Tensor] | None = None) -> None:
         """Raise AssertionError unless the bookkeeping is consistent.

@@ -25,7 +25,7 @@ from s00_foundation.model import CausalLM
 from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.engine import GenerateOutput, PromptInput, check_not_stuck, make_output, make_reqs
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.sampler import sample  # noqa: F401
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 from .allocator import pages_for
@@ -59,15 +59,17 @@ def prepare_forward(runner: ModelRunner, reqs: Sequence[Req], alloc_slots: Alloc
     table = runner.req_to_token_pool.req_to_token
     rows = [req.req_pool_idx for req in reqs]
     prefix_lens = [req.cached_len for req in reqs]
-    seq_lens = [req.device_len for req in reqs]
+    seq_lens = [req.device_len for req in reqs]  # noqa: F841
     # The slot of each request's newest stored position (its last page gets filled first). Only
     # pages of several slots have room left to fill: with page_size 1 the read (a host sync on a
     # GPU) is skipped.
     if runner.page_size == 1:
-        last_locs = [0] * len(rows)
+        last_locs = [0] * len(rows)  # noqa: F841
     else:
-        last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()
-    raise NotImplementedError("Stage 4: allocate out_cache_loc for positions [prefix_len, seq_len) of every request (alloc_slots, or runner.allocator.alloc_extend when it is None), write each request's share into its req_to_token row at those positions, and build the ForwardBatch (runner.attn_backend, req_pool_indices, out_cache_loc) - see stages/s04_paged_kv_pool/README.md")
+        last_locs = table[rows, [max(n - 1, 0) for n in prefix_lens]].tolist()  # noqa: F841
+    raise NotImplementedError(
+        "Stage 4: allocate the new positions' slots, record them in the table, build the ForwardBatch - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 class StaticBatchEngine:
@@ -126,15 +128,16 @@ class StaticBatchEngine:
 
     def release(self, req: Req) -> None:
         """Give a finished request's slots and table row back."""
-        row = req.req_pool_idx
-        raise NotImplementedError("Stage 4: free the slots of the request's stored positions (its req_to_token row up to cached_len) and then its row - see stages/s04_paged_kv_pool/README.md")
-        req.req_pool_idx = None
+        row = req.req_pool_idx  # noqa: F841
+        raise NotImplementedError(
+            "Stage 4: free a finished request's slots and its table row - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def step(self) -> list[Req]:
         """One forward pass for every running request; returns the requests it finished."""
         batch = self.prepare_forward(self.running)
         logits = self.runner.forward(batch)
-        raise NotImplementedError("Stage 4: mark the tokens just computed as cached (cached_len = device_len), sample one token per running request (stage 2's sample), append it and check whether the request finished - see stages/s04_paged_kv_pool/README.md")
+        self.process_batch_result(logits)
         check_not_stuck(self.running)
         # Retire at once: a finished request's slots are free for the others from the next step on.
         finished = [req for req in self.running if req.finished]
@@ -142,6 +145,12 @@ class StaticBatchEngine:
             self.release(req)
         self.running = [req for req in self.running if not req.finished]
         return finished
+
+    def process_batch_result(self, logits: torch.Tensor) -> None:
+        """After the pass: row i of ``logits`` belongs to ``self.running[i]``."""
+        raise NotImplementedError(
+            "Stage 4: mark the pass cached, sample one token per request, append, check finished - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def run(self, reqs: Sequence[Req]) -> None:
         """Run a static batch to completion (each Req ends with its output_ids and finish reason)."""
@@ -192,7 +201,12 @@ def generate_static_batch(
     if len(limits) != len(prompts_ids):
         raise ValueError(f"{len(prompts_ids)} prompts but {len(limits)} max_new_tokens values")
     reqs = [
-        Req(rid=i, origin_input_ids=ids, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n), eos_token_ids=eos_token_ids)
+        Req(
+            rid=i,
+            origin_input_ids=ids,
+            sampling_params=SamplingParams(temperature=0.0, max_new_tokens=n),
+            eos_token_ids=eos_token_ids,
+        )
         for i, (ids, n) in enumerate(zip(prompts_ids, limits))
     ]
     engine = StaticBatchEngine(

@@ -32,7 +32,9 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
         if size < 1 or max_context_len < 1:
-            raise ValueError(f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size} and {max_context_len}")
+            raise ValueError(
+                f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size} and {max_context_len}"
+            )
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from s00_foundation.attention import AttentionBackend, causal_attention
+from s00_foundation.attention import AttentionBackend, causal_attention  # noqa: F401
 from s00_foundation.forward_batch import ForwardBatch
 
 from .memory_pool import ReqToTokenPool, TokenToKVPool
@@ -40,6 +40,11 @@ class ForwardMetadata:
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32
     kv_indptr: torch.Tensor  # [num_reqs + 1] int32
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
+
+    def __post_init__(self):
+        # Wrong running offsets would make attention read another request's K/V: say so here.
+        check_indptr("qo_indptr", self.qo_indptr, self.batch.extend_lens, "extend_lens")
+        check_indptr("kv_indptr", self.kv_indptr, self.batch.seq_lens, "seq_lens")
 
 
 def check_indptr(name: str, indptr: torch.Tensor, lens: list[int], lens_name: str) -> None:
@@ -68,13 +73,14 @@ class PagedAttentionBackend(AttentionBackend):
         if batch.req_pool_indices is None or batch.out_cache_loc is None:
             raise ValueError("a paged forward batch needs req_pool_indices and out_cache_loc")
         if len(batch.out_cache_loc) != len(batch.input_ids):
-            raise ValueError(f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens")
-        device = batch.input_ids.device
-        rows = batch.req_pool_indices.tolist()
-        raise NotImplementedError("Stage 4: build qo_indptr and kv_indptr (int32 running offsets starting at 0, from extend_lens and seq_lens) and kv_indices (the slots req_to_token[row, :seq_len] of every request, concatenated) - see stages/s04_paged_kv_pool/README.md")
-        check_indptr("qo_indptr", qo_indptr, batch.extend_lens, "extend_lens")
-        check_indptr("kv_indptr", kv_indptr, batch.seq_lens, "seq_lens")
-        self.forward_metadata = ForwardMetadata(batch, qo_indptr, kv_indptr, kv_indices)
+            raise ValueError(
+                f"out_cache_loc has {len(batch.out_cache_loc)} slots for {len(batch.input_ids)} new tokens"
+            )
+        device = batch.input_ids.device  # noqa: F841
+        rows = batch.req_pool_indices.tolist()  # noqa: F841
+        raise NotImplementedError(
+            "Stage 4: the batch's qo_indptr, kv_indptr and kv_indices - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
         if self.forward_metadata is None or self.forward_metadata.batch is not batch:
@@ -85,6 +91,8 @@ class PagedAttentionBackend(AttentionBackend):
         return self.forward_metadata
 
     def forward(self, q, k, v, layer_id, batch):
-        meta = self.metadata_for(batch)
-        pool = self.token_to_kv_pool
-        raise NotImplementedError("Stage 4: write k, v into the pool at batch.out_cache_loc (set_kv_buffer), gather this layer's K/V at meta.kv_indices, then attend each request's queries over its own gathered K/V with causal_attention - see stages/s04_paged_kv_pool/README.md")
+        meta = self.metadata_for(batch)  # noqa: F841
+        pool = self.token_to_kv_pool  # noqa: F841
+        raise NotImplementedError(
+            "Stage 4: write the new K/V into the pool, then attend each request over its own K/V - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )

@@ -13,7 +13,6 @@ import time
 from s00_foundation.device import describe
 from s00_foundation.milestone import add_model_args, load_from_args
 from s02_request_and_sampling.sampling_params import SamplingParams
-
 from s04_paged_kv_pool.__main__ import PROMPTS
 
 from .engine import Engine
@@ -46,17 +45,28 @@ def main() -> None:
 
     path, device, model, tokenizer = load_from_args(args)
     engine = Engine(
-        model, tokenizer, pool_size=args.pool_size, page_size=args.page_size,
-        max_running_requests=args.max_running_requests, max_prefill_tokens=args.max_prefill_tokens,
-        new_token_ratio=args.new_token_ratio, trace=args.trace,
+        model,
+        tokenizer,
+        pool_size=args.pool_size,
+        page_size=args.page_size,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        new_token_ratio=args.new_token_ratio,
+        trace=args.trace,
     )
-    params = [SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS[i % len(MAX_NEW_TOKENS)]) for i in range(len(QUESTIONS))]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS[i % len(MAX_NEW_TOKENS)])
+        for i in range(len(QUESTIONS))
+    ]
     # Warm-up on a throwaway engine: the first passes pay for lazy setup in torch.
     Engine(model, tokenizer, pool_size=256).generate(QUESTIONS[:1], SamplingParams(max_new_tokens=2))
 
     print(f"model: {path}   device: {describe(device)}   attention: {engine.runner.attention_backend_name}")
-    print(f"pool: {engine.runner.allocator.size} KV slots (page size {args.page_size}); up to {args.max_running_requests} "
-          f"requests at once, {args.max_prefill_tokens} prompt tokens admitted per step; {len(QUESTIONS)} requests\n")
+    print(
+        f"pool: {engine.runner.allocator.size} KV slots (page size {args.page_size}); up to "
+        f"{args.max_running_requests} "
+        f"requests at once, {args.max_prefill_tokens} prompt tokens admitted per step; {len(QUESTIONS)} requests\n"
+    )
     start = time.perf_counter()
     outputs = engine.generate(QUESTIONS, params)
     elapsed = time.perf_counter() - start
@@ -65,14 +75,19 @@ def main() -> None:
         print()
     for i, (question, out) in enumerate(zip(QUESTIONS, outputs)):
         answer = " ".join(out.text.split())
-        print(f"[{i:2d}] {question}\n     -> {answer[:110]!r}{'...' if len(answer) > 110 else ''}\n"
-              f"     {out.prompt_tokens} prompt + {out.output_tokens} output tokens, {out.finish_reason}, "
-              f"ttft {1000 * out.ttft:.0f} ms, latency {1000 * out.latency:.0f} ms")
+        print(
+            f"[{i:2d}] {question}\n     -> {answer[:110]!r}{'...' if len(answer) > 110 else ''}\n"
+            f"     {out.prompt_tokens} prompt + {out.output_tokens} output tokens, {out.finish_reason}, "
+            f"ttft {1000 * out.ttft:.0f} ms, latency {1000 * out.latency:.0f} ms"
+        )
     stats = engine.scheduler.stats
     total = sum(out.output_tokens for out in outputs)
     print(f"\n{total} output tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s on {describe(device)}")
-    print(f"{stats.steps} steps (one forward pass each); peak running batch size {stats.peak_running}; "
-          f"{stats.num_retractions} retractions; prefill {stats.prefill_tokens} tokens, decode {stats.decode_tokens} tokens")
+    print(
+        f"{stats.steps} steps (one forward pass each); peak running batch size {stats.peak_running}; "
+        f"{stats.num_retractions} retractions; prefill {stats.prefill_tokens} tokens, decode {stats.decode_tokens} "
+        "tokens"
+    )
     engine.scheduler.check_invariants()
     print(f"after the run: {engine.runner.allocator.available_size()}/{engine.runner.allocator.size} KV slots free")
 

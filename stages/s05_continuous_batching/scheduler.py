@@ -1,25 +1,10 @@
 """``Scheduler``: continuous batching - requests join and leave the running batch at every step.
 
 A static batch (stage 4) starts together and ends with its slowest request; a slot freed early
-sits idle and newcomers wait for the whole batch. Here the batch is rebuilt every step::
-
-    add_request ─▶ waiting (FCFS) ──admit──▶ running ──finished──▶ retired: slots and row freed at once
-                      ▲                         │
-                      └──── retract (front) ◀───┘  the pool cannot hold every running request's next token
-
-One ``step()``:
-
-    1. retract  if the pool cannot give every running request the slot of its next token, send
-                the most recently admitted ones back to the FRONT of the waiting queue: their
-                slots are freed, their generated tokens kept, and they are recomputed (one
-                prefill of prompt + generated tokens) when readmitted
-    2. admit    take waiting requests in arrival order while the step's prefill budget
-                (max_prefill_tokens), the request rows and the pool's free room allow
-    3. build    one ScheduleBatch -> one ragged ForwardBatch: the running requests' decodes and
-                the admitted requests' prefills side by side
-    4. run      one forward pass; one sample per request, each with its own SamplingParams
-    5. process  append each token, check its stop conditions; a finished request is retired
-                right away, so its slots serve someone else in the very next step
+sits idle and newcomers wait for the whole batch. Here the batch is rebuilt every step: retract
+(only when the pool is short), admit, build one ragged batch of decodes and prefills, run it,
+process its tokens and retire the finished requests at once. The loop's diagram and its five
+steps are in this stage's README ("The loop"); ``step()`` below is that loop.
 
 Room is counted in KV slots. Admission keeps some back for the requests already running: the
 slots of their next pass plus ``new_token_ratio`` of the tokens they may still generate. With a
@@ -32,14 +17,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Literal, Sequence
 
 import torch
 
 from s02_request_and_sampling.engine import check_not_stuck
-from s02_request_and_sampling.req import FinishReason, Req
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.req import FinishReason, Req, TimeStats
+from s02_request_and_sampling.sampler import sample  # noqa: F401
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.model_runner import ModelRunner
 
@@ -47,16 +32,8 @@ from .prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from .schedule_batch import ScheduleBatch, slots_to_extend
 from .trace import StepTrace
 
-
-@dataclass
-class TimeStats:
-    """When things happened to one request (scheduler clock, seconds)."""
-
-    arrival: float  # add_request
-    scheduled: list[float] = field(default_factory=list)  # each admission (again after a retraction)
-    retracted: list[float] = field(default_factory=list)
-    first_token: float | None = None
-    finished: float | None = None  # finished or aborted
+# Why a request leaves the running batch; the prefix cache hears it (see Scheduler.keep_kv_of).
+LeaveReason = Literal["finished", "retracted", "aborted"]
 
 
 @dataclass
@@ -78,6 +55,12 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # The policy for a leaver's K/V: the reasons for which the prefix cache may keep it for later
+    # requests (cache_finished_req's insert); every other leaver's slots go straight back. Here
+    # only a finished request's prompt and answer are offered (NoPrefixCache keeps nothing anyway);
+    # stage 6 keeps every leaver's (RadixScheduler).
+    keep_kv_of: frozenset[LeaveReason] = frozenset({"finished"})
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -123,22 +106,30 @@ class Scheduler:
         context = self.runner.model.config.max_position_embeddings
         pool, table_width = self.runner.allocator.size, self.runner.req_to_token_pool.max_context_len
         if prompt > context:
-            raise ValueError(f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens")
+            raise ValueError(
+                f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens"
+            )
         if longest > context:
             raise ValueError(
-                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} positions, "
+                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} "
+                "positions, "
                 f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}"
             )
         needed = pages_for(longest, self.page_size) * self.page_size
         if needed > pool:
-            what = f"its prompt alone ({prompt} tokens)" if prompt > pool else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            what = (
+                f"its prompt alone ({prompt} tokens)"
+                if prompt > pool
+                else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
+            )
             raise ValueError(
                 f"request {req.rid}: {what} needs up to {needed} KV slots, but the whole KV pool has {pool}; "
                 "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens"
             )
         if longest > table_width:
             raise ValueError(
-                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per request "
+                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per "
+                "request "
                 "(max_context_len); raise max_context_len or lower max_new_tokens"
             )
 
@@ -150,8 +141,6 @@ class Scheduler:
         if any(other.rid == req.rid for other in (*self.waiting, *self.reqs_holding_memory())):
             raise ValueError(f"request id {req.rid!r} is already waiting or running; request ids must be unique")
         self.check_servable(req)
-        req.req_pool_idx = None  # its row in the request -> slots table, while it runs
-        req.prefix_match = None  # what the prefix cache gave it, while it runs
         req.time_stats = TimeStats(arrival=self.clock())
         self.waiting.append(req)
 
@@ -166,7 +155,7 @@ class Scheduler:
             for req in self.running:
                 if req.rid == rid:
                     self.running.remove(req)
-                    self.release_req(req, insert=False)
+                    self.release_req(req, "aborted")
                     break
             else:
                 return False
@@ -231,11 +220,14 @@ class Scheduler:
         req.req_pool_idx, req.prefix_match, req.cached_len = row, match, match.cached_len
         req.time_stats.scheduled.append(self.clock())
 
-    def release_req(self, req: Req, insert: bool) -> None:
-        """A request leaves the running batch (finished, retracted or aborted): its K/V go to the
-        prefix cache (which frees every slot it does not keep) and its table row is freed.
-        Afterwards it holds nothing: req_pool_idx and prefix_match are None, cached_len is 0."""
-        raise NotImplementedError("Stage 5: hand the slots of the request's stored positions (table row up to cached_len) with their tokens to self.prefix_cache.cache_finished_req (insert as given), free its table row, then reset req_pool_idx, prefix_match and cached_len - see stages/s05_continuous_batching/README.md")
+    def release_req(self, req: Req, why: LeaveReason) -> None:
+        """A request leaves the running batch (``why``: finished, retracted or aborted): its K/V go
+        to the prefix cache, which may keep them when ``why`` is in ``keep_kv_of`` and frees every
+        slot it does not keep; its table row is freed. Afterwards it holds nothing:
+        req_pool_idx and prefix_match are None, cached_len is 0."""
+        raise NotImplementedError(
+            "Stage 5: a leaving request gives its K/V to the prefix cache and its row back - see stages/s05_continuous_batching/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -243,25 +235,10 @@ class Scheduler:
         """Called when the pool cannot hold the next pass of every running request: retract the
         most recently admitted ones (to the front of the waiting queue) until it can.
         Returns the retracted requests, newest first."""
-        retracted: list[Req] = []
-        raise NotImplementedError("Stage 5: while more than one request runs and their next pass needs more slots (self.next_pass_slots) than self.available_slots(): take the most recently admitted running request out, release it (insert=False: it gets no prefix-cache entry) and put it back at the FRONT of self.waiting - see stages/s05_continuous_batching/README.md")
-        if self.running and self.next_pass_slots(self.running) > self.available_slots():
-            why = ("something else holds the pool (a leak?), and retracting cannot help" if len(self.running) == 1
-                   else "retract_for_decode must retract until the others fit")
-            raise RuntimeError(
-                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass needs "
-                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
-                f"{self.runner.allocator.size} are free: {why}"
-            )
-        now = self.clock()
-        for req in retracted:
-            req.time_stats.retracted.append(now)
-        self.stats.num_retractions += len(retracted)
-        return retracted
-
-    def order_waiting(self) -> None:
-        """The admission order: first come, first served, so the queue stays as it is. Stage 6
-        overrides this to put the requests with the longest cached prefix first."""
+        retracted: list[Req] = []  # noqa: F841
+        raise NotImplementedError(
+            "Stage 5: retract the newest running requests to the front of the queue until the pass fits - see stages/s05_continuous_batching/README.md#retraction-when-the-pool-runs-dry"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
         """Tokens ``req`` computes in its first pass when ``cached_len`` of them are cached: all the
@@ -279,20 +256,37 @@ class Scheduler:
         it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage
         7's half-prefilled request); they count as admitted first. Returns the newly admitted
         requests (each started with start_req, its device_len set to the end of its pass), in order."""
-        self.order_waiting()
-        admitted: list[Req] = list(scheduled)
-        reserved = self.reserved_slots([*self.running, *scheduled])
+        admitted: list[Req] = list(scheduled)  # noqa: F841
+        reserved = self.reserved_slots([*self.running, *scheduled])  # noqa: F841
         budget = self.max_prefill_tokens if budget is None else budget
-        raise NotImplementedError("Stage 5: loop over the head of self.waiting: match its prefix (self.prefix_cache.match_prefix on all fill_ids but the last), take its pass length from self.prefill_len, stop at the first request that breaks a budget (rows, prompt tokens, room = self.available_slots() - reserved, counted while its match is locked), else pop it, set its device_len to the end of its pass, start_req it, and charge the budgets - see stages/s05_continuous_batching/README.md")
-        return admitted[len(scheduled) :]
+        raise NotImplementedError(
+            "Stage 5: admit waiting requests in order under the three budgets - see stages/s05_continuous_batching/README.md#admission-three-budgets-and-the-room-in-the-pool"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def process_batch_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """After the forward pass: every request of the batch now has its new tokens' K/V
         stored; each samples one token with its own SamplingParams and checks whether it is
         done. Finished requests are retired at once. Returns the requests that got a token:
         all of them here (stage 7's half-prefilled requests get none until their last chunk)."""
-        reqs = batch.reqs
-        raise NotImplementedError("Stage 5: mark the tokens just computed as cached, sample one token per request (stage 2's sample: row i of logits is reqs[i]), append it and check_finished; release every finished request (insert=True), keep only unfinished ones in self.running, return reqs - see stages/s05_continuous_batching/README.md")
+        reqs = batch.reqs  # noqa: F841
+        raise NotImplementedError(
+            "Stage 5: sample one token per request, retire the finished ones - see stages/s05_continuous_batching/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
+
+    def check_room_after_retraction(self) -> None:
+        """After retract_for_decode: the running requests' next pass must fit, or nothing can run."""
+        if self.running and self.next_pass_slots(self.running) > self.available_slots():
+            why = (
+                "something else holds the pool (a leak?), and retracting cannot help"
+                if len(self.running) == 1
+                else "retract_for_decode must retract until the others fit"
+            )
+            raise RuntimeError(
+                f"{len(self.running)} request(s) still run (the oldest: {self.running[0].rid}) and their next pass "
+                "needs "
+                f"{self.next_pass_slots(self.running)} KV slot(s), but only {self.available_slots()} of "
+                f"{self.runner.allocator.size} are free: {why}"
+            )
 
     def step(self) -> list[TokenOutput]:
         """One scheduling step and one forward pass. Returns what each request of the pass got."""
@@ -301,12 +295,19 @@ class Scheduler:
         start = self.clock()
         short = self.next_pass_slots(self.running) > self.available_slots()
         retracted = self.retract_for_decode() if short else []
+        if short:
+            self.check_room_after_retraction()
+        for req in retracted:
+            req.time_stats.retracted.append(start)
+        self.stats.num_retractions += len(retracted)
         admitted = self.admit_new_requests()
         if not self.running and not admitted:
             head = self.waiting[0]
             raise RuntimeError(
-                f"nothing can run: request {head.rid} is first in line and its prefill needs {slots_to_extend(head, self.page_size)} "
-                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running will free more"
+                f"nothing can run: request {head.rid} is first in line and its prefill needs "
+                f"{slots_to_extend(head, self.page_size)} "
+                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running "
+                "will free more"
             )
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
@@ -330,14 +331,22 @@ class Scheduler:
         stats.prefill_tokens += prefill_tokens
         stats.decode_tokens += len(batch.decode_reqs)
         if self.on_step is not None:
-            self.on_step(StepTrace(
-                step=stats.steps, start=start, end=now,
-                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=prefill_tokens,
-                decode_rids=[req.rid for req in batch.decode_reqs],
-                running=len(self.running), waiting=len(self.waiting),
-                free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
-                retracted_rids=[req.rid for req in retracted], finished_rids=[req.rid for req in finished],
-            ))
+            self.on_step(
+                StepTrace(
+                    step=stats.steps,
+                    start=start,
+                    end=now,
+                    prefill_rids=[req.rid for req in batch.prefill_reqs],
+                    prefill_tokens=prefill_tokens,
+                    decode_rids=[req.rid for req in batch.decode_reqs],
+                    running=len(self.running),
+                    waiting=len(self.waiting),
+                    free_slots=self.runner.allocator.available_size(),
+                    pool_size=self.runner.allocator.size,
+                    retracted_rids=[req.rid for req in retracted],
+                    finished_rids=[req.rid for req in finished],
+                )
+            )
         return outputs
 
     # --- checking ---------------------------------------------------------------------------------
@@ -370,13 +379,16 @@ class Scheduler:
         for req in self.waiting:
             if req.req_pool_idx is not None or req.cached_len:
                 problems.append(
-                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, cached_len={req.cached_len}); "
+                    f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, "
+                    f"cached_len={req.cached_len}); "
                     "a retracted request must give its slots and row back"
                 )
         rows = [req.req_pool_idx for req in holders if req.req_pool_idx is not None]
         if sorted(rows + pool.free_slots) != list(range(pool.size)):
-            problems.append(f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
-                            f"together they should be 0..{pool.size - 1}, each once")
+            problems.append(
+                f"table rows: running requests hold {sorted(rows)}, free rows are {sorted(pool.free_slots)}; "
+                f"together they should be 0..{pool.size - 1}, each once"
+            )
         cached = self.prefix_cache.cached_slots()
         owners.append(cached)
         names.append("the prefix cache")
@@ -389,7 +401,10 @@ class Scheduler:
             cached_pages = len(torch.unique(cached.reshape(-1) // self.page_size))
             held = allocator.size - allocator.available_size()
             if held != cached_pages * self.page_size:
-                problems.append(f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
-                                f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its slots")
+                problems.append(
+                    f"nothing is running, yet {held} of {allocator.size} KV slots are not free "
+                    f"(the prefix cache holds {cached_pages * self.page_size}): a finished request did not free its "
+                    "slots"
+                )
         if problems:
             raise AssertionError("scheduler invariants broken:\n  " + "\n  ".join(problems))

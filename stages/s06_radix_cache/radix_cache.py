@@ -32,7 +32,7 @@ This implements stage 5's ``PrefixCache`` protocol (see ``s05_continuous_batchin
 
 from __future__ import annotations
 
-import heapq
+import heapq  # noqa: F401
 import itertools
 from typing import Sequence
 
@@ -43,7 +43,9 @@ from s05_continuous_batching.prefix_cache import PrefixMatch
 
 
 class TreeNode:
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0):
+    def __init__(
+        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0
+    ):
         self.key = key  # the token ids of the edge from the parent to this node
         self.value = value  # int64 [len(key)]: the slot holding each token's K/V
         self.parent = parent
@@ -95,7 +97,9 @@ class RadixCache:
         The new node takes the first part of the key and slots, the lock count and access time of
         ``child`` (the same requests read it), so the evictable and protected sizes do not change.
         """
-        new = TreeNode(next(self._node_ids), child.key[:split_len], child.value[:split_len], child.parent, child.last_access_time)
+        new = TreeNode(
+            next(self._node_ids), child.key[:split_len], child.value[:split_len], child.parent, child.last_access_time
+        )
         new.lock_ref = child.lock_ref
         new.children = {self._child_key(child.key[split_len:]): child}
         new.parent.children[self._child_key(new.key)] = new
@@ -111,8 +115,9 @@ class RadixCache:
         Every node on the path counts as just used."""
         key = list(token_ids)
         key = key[: len(key) // self.page_size * self.page_size]
-        raise NotImplementedError("Stage 6: walk down from the root while a child starts with the key's next token (page): touch it, take its slots; if the match ends inside its edge, split it (self._split_node) and stop there - see stages/s06_radix_cache/README.md")
-        return PrefixMatch(len(slots), slots, node)
+        raise NotImplementedError(
+            "Stage 6: the longest cached prefix of a key, splitting an edge it leaves in the middle - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         """Add ``token_ids`` (a whole number of pages) with the slots holding their K/V. Returns how
@@ -121,16 +126,21 @@ class RadixCache:
         (evictable, since nobody locks it yet)."""
         key = list(token_ids)
         if len(key) % self.page_size or len(slots) != len(key):
-            raise ValueError(f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
-                             f"got {len(key)} tokens and {len(slots)} slots")
-        raise NotImplementedError("Stage 6: walk down like match_prefix (touching nodes, splitting an edge the key leaves in the middle), counting the tokens already present; hang the rest of the key (with its slots, cloned) as a new leaf and count it as evictable - see stages/s06_radix_cache/README.md")
-        return present
+            raise ValueError(
+                f"insert needs whole pages of {self.page_size} tokens and one slot per token; "
+                f"got {len(key)} tokens and {len(slots)} slots"
+            )
+        raise NotImplementedError(
+            "Stage 6: insert a key with its slots; return how much of it was already there - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def _update_lock(self, node: TreeNode, delta: int) -> None:
         """Add ``delta`` (+1 or -1) to the lock count of ``node`` and of every node above it (the
         root aside); a node going from unlocked to locked moves its tokens from the evictable size
         to the protected size, and back."""
-        raise NotImplementedError("Stage 6: walk from node up to (not including) the root: move len(node.key) between evictable_size_ and protected_size_ when lock_ref goes 0 -> 1 (delta +1) or 1 -> 0 (delta -1), and add delta to lock_ref - see stages/s06_radix_cache/README.md")
+        raise NotImplementedError(
+            "Stage 6: lock or unlock the path from a node up to the root - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def lock(self, match: PrefixMatch) -> None:
         self._update_lock(match.node, +1)
@@ -140,14 +150,18 @@ class RadixCache:
         nothing: a negative count would let eviction free slots that a running request reads."""
         self._update_lock(match.node, -1)
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool) -> None:
+    def cache_finished_req(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: PrefixMatch, insert: bool
+    ) -> None:
         """A request leaves. With ``insert`` its whole pages go into the tree; slots of tokens the
         tree already held (its own match, or what another request inserted meanwhile) are
         duplicates: those the request allocated itself are freed, as is its last partial page.
         Without ``insert`` every slot it allocated itself is freed. Either way its match is unlocked."""
         if len(slots) != len(token_ids):
             raise ValueError(f"cache_finished_req got {len(token_ids)} tokens but {len(slots)} slots")
-        raise NotImplementedError("Stage 6: with insert: insert the page-aligned part, free the request's own duplicate slots [match.cached_len, already present) and its unaligned tail; without: free slots[match.cached_len:]; then unlock the match - see stages/s06_radix_cache/README.md")
+        raise NotImplementedError(
+            "Stage 6: a leaving request's K/V: into the tree, or freed - see stages/s06_radix_cache/README.md#how-the-scheduler-uses-it-stage-5s-seam"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def evictable_size(self) -> int:
         return self.evictable_size_
@@ -155,10 +169,10 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Give unlocked leaves back to the allocator, least recently used first, until at least
         ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed."""
-        evicted = 0
-        raise NotImplementedError("Stage 6: heap of the unlocked leaves (TreeNode sorts by last_access_time); pop, free its slots, detach it from its parent, update evictable_size_; a parent left childless and unlocked (not the root) joins the heap - see stages/s06_radix_cache/README.md")
-        self.evicted_tokens += evicted
-        return evicted
+        evicted = 0  # noqa: F841
+        raise NotImplementedError(
+            "Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def cached_slots(self) -> torch.Tensor:
         values = [node.value.reshape(-1).cpu() for node in self._all_nodes()]
@@ -204,8 +218,10 @@ class RadixCache:
             else:
                 evictable += len(node.key)
         if (evictable, protected) != (self.evictable_size_, self.protected_size_):
-            problems.append(f"sizes: the nodes hold {evictable} evictable and {protected} protected tokens, the counters "
-                            f"say {self.evictable_size_} and {self.protected_size_}")
+            problems.append(
+                f"sizes: the nodes hold {evictable} evictable and {protected} protected tokens, the counters "
+                f"say {self.evictable_size_} and {self.protected_size_}"
+            )
         slots = self.cached_slots()
         if len(torch.unique(slots)) != len(slots):
             problems.append("a slot is held by the tree more than once")
@@ -224,7 +240,9 @@ class RadixCache:
             text = text if len(text) <= max_chars else text[: max_chars - 3] + "..."
             return f"[{len(node.key)} tok, lock {node.lock_ref}] {text!r}"
 
-        lines = [f"root ({self.total_size()} tokens cached, {self.evictable_size_} evictable, {self.protected_size_} locked)"]
+        lines = [
+            f"root ({self.total_size()} tokens cached, {self.evictable_size_} evictable, {self.protected_size_} locked)"
+        ]
 
         def draw(node: TreeNode, indent: str) -> None:
             children = sorted(node.children.values(), key=lambda c: c.id)

@@ -20,7 +20,9 @@ from .decode_latency import bare_forward_latency, decode_step_latency
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser)
-    parser.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1..64 on a GPU, 1,4,16 on a CPU)")
+    parser.add_argument(
+        "--batch-sizes", default=None, help="comma-separated (default: 1..64 on a GPU, 1,4,16 on a CPU)"
+    )
     parser.add_argument("--context-len", type=int, default=128, help="tokens in context per request")
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (the median is shown)")
     args = parser.parse_args()
@@ -31,12 +33,19 @@ def main() -> None:
     sizes = [int(s) for s in (args.batch_sizes or ("1,2,4,8,16,32,64" if on_gpu else "1,4,16")).split(",")]
     paths = ["loop", "batched", "graph"] if on_gpu else ["loop", "batched"]
     print(f"model: {path}   dtype: {str(model.dtype).removeprefix('torch.')}   device: {describe(model.device)}")
-    print(f"one decode step (runner.forward) of N requests with ~{args.context_len} tokens in context each; "
-          f"median of {args.steps} steps; bare = the model pass without attention and KV pool (the ceiling)")
+    print(
+        f"one decode step (runner.forward) of N requests with ~{args.context_len} tokens in context each; "
+        f"median of {args.steps} steps; bare = the model pass without attention and KV pool (the ceiling)"
+    )
     if not on_gpu:
         print("no CUDA GPU here: nothing to capture, so the graph path is left out")
-    print("\n" + f"{'batch':>6s}" + "".join(f" {p + ' ms':>11s}" for p in paths + ["bare"]) + f" {'loop/batched':>13s}"
-          + (f" {'graph speed-up':>15s}" if on_gpu else ""))
+    print(
+        "\n"
+        + f"{'batch':>6s}"
+        + "".join(f" {p + ' ms':>11s}" for p in paths + ["bare"])
+        + f" {'loop/batched':>13s}"
+        + (f" {'graph speed-up':>15s}" if on_gpu else "")
+    )
     for bs in sizes:
         ms = {p: 1000 * decode_step_latency(model, bs, args.context_len, p, steps=args.steps)["seconds"] for p in paths}
         ms["bare"] = 1000 * bare_forward_latency(model, bs, args.context_len, steps=args.steps)

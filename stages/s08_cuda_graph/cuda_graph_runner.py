@@ -39,7 +39,7 @@ through the same code, so everything but the capture itself is checked on any ma
 
 from __future__ import annotations
 
-import bisect
+import bisect  # noqa: F401
 import time
 from typing import TYPE_CHECKING
 
@@ -49,7 +49,8 @@ from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 from s04_paged_kv_pool.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from .model_runner import ModelRunner
+    from .decode_attention import DecodeAttentionBackend
+    from .model_runner import GraphModelRunner
 
 DUMMY_SLOT = 0  # slot 0 (page 0) of the KV pool is never handed out (s04 memory_pool.py)
 MIN_KV_LEN_BUCKET = 64
@@ -61,14 +62,18 @@ def capture_bs_buckets(max_bs: int) -> list[int]:
     """The batch sizes graphs are captured for: 1, 2, 4, 8, then steps of 8, and max_bs itself."""
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
-    raise NotImplementedError("Stage 8: 1, 2, 4, 8 and then every multiple of 8, all up to max_bs, and max_bs itself as the largest bucket (sorted, no duplicates) - see stages/s08_cuda_graph/README.md")
+    raise NotImplementedError(
+        "Stage 8: the batch-size buckets to capture - see stages/s08_cuda_graph/README.md#what-you-write"
+    )
 
 
 def kv_len_buckets(max_kv_len: int) -> list[int]:
     """Key lengths graphs are captured for: 64, 128, 256, ... doubling, and max_kv_len itself."""
     if max_kv_len < 1:
         raise ValueError(f"the table width (max_context_len) must be >= 1, got {max_kv_len}")
-    raise NotImplementedError("Stage 8: MIN_KV_LEN_BUCKET, doubling, every length below max_kv_len, then max_kv_len itself as the largest - see stages/s08_cuda_graph/README.md")
+    raise NotImplementedError(
+        "Stage 8: the KV-length buckets to capture - see stages/s08_cuda_graph/README.md#what-you-write"
+    )
 
 
 def reserve_dummy_row(pool: ReqToTokenPool) -> int:
@@ -80,11 +85,11 @@ def reserve_dummy_row(pool: ReqToTokenPool) -> int:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", max_bs: int, max_kv_len: int, dummy_req_pool_idx: int):
+    def __init__(self, model_runner: "GraphModelRunner", max_bs: int, max_kv_len: int, dummy_req_pool_idx: int):
         """Graphs for decodes of up to ``max_bs`` requests whose longest sequence has up to
         ``max_kv_len`` tokens (capped at the table's width), all captured here."""
         self.model = model_runner.model
-        self.attn_backend = model_runner.attn_backend
+        self.attn_backend: DecodeAttentionBackend = model_runner.attn_backend
         self.device = model_runner.device
         self.use_cuda_graph = self.device.type == "cuda"  # elsewhere: the same path, run eagerly
         self.capture_bs = capture_bs_buckets(max_bs)
@@ -118,18 +123,25 @@ class CudaGraphRunner:
         return [(bs, kv_len) for bs in reversed(self.capture_bs) for kv_len in reversed(self.capture_kv_lens)]
 
     def describe(self) -> str:
-        what = (f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
-                f"{self.capture_kv_lens[0]}..{self.max_kv_len})")
+        what = (
+            f"{len(self.batches)} decode buckets (batch sizes {self.capture_bs[0]}..{self.max_bs} x key lengths "
+            f"{self.capture_kv_lens[0]}..{self.max_kv_len})"
+        )
         if not self.use_cuda_graph:
             return f"{what}, run eagerly (no CUDA here: nothing to capture)"
-        return f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, {self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        return (
+            f"{what} captured as CUDA graphs in {self.capture_seconds:.2f} s, "
+            f"{self.graph_memory_bytes / 2**20:.0f} MiB of GPU memory"
+        )
 
     # --- which batches, which bucket --------------------------------------------------------------
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
         """True for a decode batch (one new token per request) of at most max_bs requests, none
         longer than max_kv_len tokens."""
-        raise NotImplementedError("Stage 8: a graph can run the batch when it is a pure decode (forward_batch.forward_mode), it has at most self.max_bs requests and its longest sequence (seq_lens) has at most self.max_kv_len tokens - see stages/s08_cuda_graph/README.md")
+        raise NotImplementedError(
+            "Stage 8: can a graph run this batch? - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
     def bucket_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int]:
         """(bs, kv_len): the smallest captured batch size >= num_reqs, and the smallest key
@@ -137,8 +149,12 @@ class CudaGraphRunner:
         if not 1 <= num_reqs <= self.max_bs:
             raise ValueError(f"{num_reqs} requests: graph buckets hold 1..{self.max_bs} (larger decodes run eagerly)")
         if not 1 <= max_seq_len <= self.max_kv_len:
-            raise ValueError(f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)")
-        raise NotImplementedError("Stage 8: the smallest entry of self.capture_bs that is >= num_reqs and of self.capture_kv_lens that is >= max_seq_len (bisect.bisect_left on the sorted lists) - see stages/s08_cuda_graph/README.md")
+            raise ValueError(
+                f"a sequence of {max_seq_len} tokens: graph buckets hold 1..{self.max_kv_len} (longer ones run eagerly)"
+            )
+        raise NotImplementedError(
+            "Stage 8: the smallest bucket that holds the batch - see stages/s08_cuda_graph/README.md#what-you-write"
+        )
 
     # --- capture ----------------------------------------------------------------------------------
 
@@ -155,7 +171,8 @@ class CudaGraphRunner:
                 raise
             except Exception as error:
                 raise RuntimeError(
-                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): {type(error).__name__}: {error}. "
+                    f"CUDA graph capture failed for the decode bucket (bs={bs}, kv_len={kv_len}): "
+                    f"{type(error).__name__}: {error}. "
                     "Run without graphs (--disable-cuda-graph, Engine(disable_cuda_graph=True)) or with fewer buckets "
                     "(--cuda-graph-max-bs, --cuda-graph-max-kv-len)."
                 ) from error
@@ -183,7 +200,9 @@ class CudaGraphRunner:
         if self.use_cuda_graph:
             # Capture with every row a dummy request: warm-up and capture write only the dummy slot.
             self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])
-            raise NotImplementedError("Stage 8: (CUDA; graded on a CPU against a stand-in for torch.cuda, for real by make gpu-check) run the model NUM_WARMUP_RUNS times on a side stream (lazy setup must not happen while recording), then record one pass into a torch.cuda.CUDAGraph with torch.cuda.graph(graph, pool=self.graph_pool); keep the graph in self.graphs and its output logits in self.output_buffers - see stages/s08_cuda_graph/README.md")
+            raise NotImplementedError(
+                "Stage 8: warm up, then capture one bucket's decode pass - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+            )
         self.batches[bs, kv_len] = batch
 
     # --- replay -----------------------------------------------------------------------------------
@@ -202,11 +221,12 @@ class CudaGraphRunner:
         metadata; returns the bucket."""
         n = forward_batch.num_reqs
         bucket = self.bucket_for(n, max(forward_batch.seq_lens))
-        bs, kv_len = bucket
-        raise NotImplementedError("Stage 8: copy the batch's input_ids, positions, req_pool_indices and out_cache_loc into the first n rows of the static buffers (copy_, never a new tensor), seq_lens too (a decode token sits at position seq_len - 1, so positions + 1: no host-to-device copy), pad rows n..bs with fill_padding, then refill the backend's metadata (init_forward_metadata_replay_cuda_graph) - see stages/s08_cuda_graph/README.md")
+        bs, kv_len = bucket  # noqa: F841
         # The static batch's host-side fields say what its rows now hold (the graph reads none of them).
         self.batches[bucket].seq_lens = list(forward_batch.seq_lens) + [1] * (bs - n)
-        return bucket
+        raise NotImplementedError(
+            "Stage 8: copy the batch into the static buffers and pad it to its bucket - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] of the real rows: the bucket's graph replayed on CUDA, the

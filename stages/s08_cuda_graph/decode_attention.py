@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F401
 
 from s00_foundation.forward_batch import ForwardBatch, ForwardMode, leading_decodes
 from s04_paged_kv_pool.flash_backend import BLOCK_TABLE_PAGE_MULTIPLE, FlashAttentionBackend
@@ -67,7 +67,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         self.decode_metadata: DecodeMetadata | None = None  # this pass's decode rows (eager or a bucket)
         self.extend_batch: ForwardBatch | None = None  # a MIXED pass's extend rows, for stage 4's path
         self.bucket_metadata: dict[tuple[int, int], DecodeMetadata] = {}
-        self.key_positions = torch.arange(req_to_token_pool.max_context_len, device=req_to_token_pool.req_to_token.device)
+        self.key_positions = torch.arange(
+            req_to_token_pool.max_context_len, device=req_to_token_pool.req_to_token.device
+        )
 
     # --- the metadata ---------------------------------------------------------------------------
 
@@ -75,8 +77,10 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         """Fill ``meta.kv_indices`` and ``meta.key_mask`` in place for the requests in the table
         rows ``req_pool_indices``, whose lengths are already in ``meta.seq_lens``. Device work
         only (no .tolist(), no loop): it runs before every replay of a graph."""
-        kv_len = meta.kv_indices.shape[1]
-        raise NotImplementedError("Stage 8: copy_ the first kv_len slots of each request's table row (req_to_token[req_pool_indices]) into meta.kv_indices, and \"key position < seq_len\" (self.key_positions, meta.seq_lens) into meta.key_mask - see stages/s08_cuda_graph/README.md")
+        kv_len = meta.kv_indices.shape[1]  # noqa: F841
+        raise NotImplementedError(
+            "Stage 8: fill the static decode metadata in place (kv_indices and the key mask) - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Eagerly, once per pass: decode metadata for the leading decode rows (kv_len = their
@@ -91,7 +95,8 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         # A decode token sits at position seq_len - 1: the lengths come from the device, no copy.
         seq_lens = (batch.positions[:d] + 1).to(torch.int32)
         self.decode_metadata = DecodeMetadata(
-            torch.empty((d, kv_len), dtype=torch.int64, device=device), torch.empty((d, kv_len), dtype=torch.bool, device=device),
+            torch.empty((d, kv_len), dtype=torch.int64, device=device),
+            torch.empty((d, kv_len), dtype=torch.bool, device=device),
             seq_lens,
         )
         self.fill_decode_metadata(self.decode_metadata, batch.req_pool_indices[:d])
@@ -99,8 +104,13 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         if mode is ForwardMode.MIXED:
             t = d  # the decode rows' tokens come first, one each
             self.extend_batch = replace(
-                batch, input_ids=batch.input_ids[t:], positions=batch.positions[t:], extend_lens=batch.extend_lens[d:],
-                seq_lens=batch.seq_lens[d:], req_pool_indices=batch.req_pool_indices[d:], out_cache_loc=batch.out_cache_loc[t:],
+                batch,
+                input_ids=batch.input_ids[t:],
+                positions=batch.positions[t:],
+                extend_lens=batch.extend_lens[d:],
+                seq_lens=batch.seq_lens[d:],
+                req_pool_indices=batch.req_pool_indices[d:],
+                out_cache_loc=batch.out_cache_loc[t:],
                 forward_mode=ForwardMode.EXTEND,
             )
             super().init_forward_metadata(self.extend_batch)
@@ -116,7 +126,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         """Give bucket (bs, kv_len) its views (``seq_lens``: the runner's static [bs] lengths);
         the graph captured next reads exactly these tensors."""
         n = bs * kv_len
-        meta = DecodeMetadata(self.cuda_graph_kv_indices[:n].view(bs, kv_len), self.cuda_graph_key_mask[:n].view(bs, kv_len), seq_lens)
+        meta = DecodeMetadata(
+            self.cuda_graph_kv_indices[:n].view(bs, kv_len), self.cuda_graph_key_mask[:n].view(bs, kv_len), seq_lens
+        )
         self.bucket_metadata[bs, kv_len] = meta
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, kv_len: int, req_pool_indices: torch.Tensor) -> None:
@@ -133,7 +145,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
             return super().forward(q, k, v, layer_id, batch)
         meta = self.decode_metadata
         if meta is None:
-            raise RuntimeError(f"a {mode.value} batch but no decode metadata: call init_forward_metadata(batch) before model(batch)")
+            raise RuntimeError(
+                f"a {mode.value} batch but no decode metadata: call init_forward_metadata(batch) before model(batch)"
+            )
         d = meta.kv_indices.shape[0]
         decoded = self.forward_decode(q[:d], k[:d], v[:d], layer_id, batch.out_cache_loc[:d], meta)
         if mode is ForwardMode.DECODE:
@@ -149,8 +163,14 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         rows = self.decode_rows_per_call(bs, kv_len, k)
         if rows >= bs:
             return self.attend_decode(q, layer_id, meta.kv_indices, meta.key_mask)
-        return torch.cat([self.attend_decode(q[i : i + rows], layer_id, meta.kv_indices[i : i + rows], meta.key_mask[i : i + rows])
-                          for i in range(0, bs, rows)])
+        return torch.cat(
+            [
+                self.attend_decode(
+                    q[i : i + rows], layer_id, meta.kv_indices[i : i + rows], meta.key_mask[i : i + rows]
+                )
+                for i in range(0, bs, rows)
+            ]
+        )
 
     def decode_rows_per_call(self, bs: int, kv_len: int, k: torch.Tensor) -> int:
         """All rows in one call on a GPU. On a CPU, as many rows as keep their gathered K and V
@@ -165,9 +185,11 @@ class DecodeAttentionBackend(PagedAttentionBackend):
     def attend_decode(self, q, layer_id: int, kv_indices: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Attention of one new token per row over its keys: q [n, H, D], kv_indices / key_mask
         [n, kv_len] -> [n, H, D], in one SDPA call."""
-        pool = self.token_to_kv_pool
-        n, kv_len = kv_indices.shape
-        raise NotImplementedError("Stage 8: gather this layer's K and V rows at kv_indices (index_select on the flattened indices, viewed as [n, kv_len, KVH, D]); then one SDPA call: queries [n, H, 1, D], keys/values [n, KVH, kv_len, D], attn_mask from key_mask, enable_gqa=True - see stages/s08_cuda_graph/README.md")
+        pool = self.token_to_kv_pool  # noqa: F841
+        n, kv_len = kv_indices.shape  # noqa: F841
+        raise NotImplementedError(
+            "Stage 8: decode attention for every row in one batched call - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
 
 class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend):
@@ -182,7 +204,9 @@ class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend)
 
     def __init__(self, req_to_token_pool, token_to_kv_pool):
         if flash_attn_with_kvcache is None:
-            raise RuntimeError('flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend')
+            raise RuntimeError(
+                'flash_attn is not importable; install it with pip install -e ".[flash]" or use the torch backend'
+            )
         super().__init__(req_to_token_pool, token_to_kv_pool)
         self.paged = token_to_kv_pool.page_size % BLOCK_TABLE_PAGE_MULTIPLE == 0
 
@@ -207,5 +231,7 @@ class DecodeFlashAttentionBackend(DecodeAttentionBackend, FlashAttentionBackend)
             keys = k_buffer.index_select(0, flat).view(bs, kv_len, *k_buffer.shape[1:])
             values = v_buffer.index_select(0, flat).view(bs, kv_len, *v_buffer.shape[1:])
             extra = {}
-        out = flash_attn_with_kvcache(q[:, None].contiguous(), keys, values, cache_seqlens=meta.seq_lens, causal=True, **extra)
+        out = flash_attn_with_kvcache(
+            q[:, None].contiguous(), keys, values, cache_seqlens=meta.seq_lens, causal=True, **extra
+        )
         return out[:, 0]

@@ -33,22 +33,48 @@ from s00_foundation.model import CausalLM
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
-from s04_paged_kv_pool.model_runner import ModelRunner as LoopModelRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
 
-from .model_runner import ModelRunner
+from .model_runner import GraphModelRunner
 
 SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json, the fields the engine reads
-    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192,
-    tie_word_embeddings=True, rope_theta=100000.0,
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
 )
 QWEN3_0_6B = dict(  # Qwen/Qwen3-0.6B's config.json, the fields the engine reads
-    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-    tie_word_embeddings=True, rope_theta=1000000.0,
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
 )
-SMALL_QWEN3 = dict(QWEN3_0_6B, vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # a CPU-sized stand-in
+SMALL_QWEN3 = dict(
+    QWEN3_0_6B,
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)  # a CPU-sized stand-in
 SMALL_SMOLLM2 = dict(SMOLLM2_135M, vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4)
 
 PATHS = ("loop", "batched", "graph")
@@ -78,7 +104,13 @@ def synchronize(device: torch.device) -> None:
 
 @torch.inference_mode()
 def decode_step_latency(
-    model: CausalLM, batch_size: int, context_len: int, path: str = "batched", steps: int = 10, warmup: int = 3, seed: int = 0,
+    model: CausalLM,
+    batch_size: int,
+    context_len: int,
+    path: str = "batched",
+    steps: int = 10,
+    warmup: int = 3,
+    seed: int = 0,
     enable_torch_compile: bool = False,
 ) -> dict:
     """Seconds per decode step (the median of ``steps``) of ``batch_size`` requests with about
@@ -89,17 +121,29 @@ def decode_step_latency(
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     longest = context_len + warmup + steps + 1
-    shape = dict(pool_size=batch_size * longest, max_running_requests=batch_size, max_context_len=longest, attention_backend="auto")
+    shape = (
+        batch_size * longest,
+        1,
+        batch_size,
+        longest,
+    )  # pool_size, page_size, max_running_requests, max_context_len
     if path == "loop":
-        runner = LoopModelRunner(model, **shape)
+        runner = ModelRunner(model, *shape)
     else:
-        runner = ModelRunner(model, **shape, cuda_graph_max_bs=batch_size, disable_cuda_graph=path == "batched",
-                             enable_torch_compile=enable_torch_compile)
+        runner = GraphModelRunner(
+            model,
+            *shape,
+            cuda_graph_max_bs=batch_size,
+            disable_cuda_graph=path == "batched",
+            enable_torch_compile=enable_torch_compile,
+        )
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)
-    reqs = [Req(i, torch.randint(vocab // 10, vocab // 2, (context_len,), generator=generator).tolist(), params)
-            for i in range(batch_size)]
+    reqs = [
+        Req(i, torch.randint(vocab // 10, vocab // 2, (context_len,), generator=generator).tolist(), params)
+        for i in range(batch_size)
+    ]
     for req, row in zip(reqs, runner.req_to_token_pool.alloc(batch_size)):
         req.req_pool_idx = row
     times = []
@@ -116,8 +160,13 @@ def decode_step_latency(
             req.append_token(token)
     graph = getattr(runner, "cuda_graph_runner", None)
     bucket = graph.bucket_for(batch_size, reqs[0].cached_len) if graph is not None else None
-    return {"seconds": sorted(times)[len(times) // 2], "path": getattr(runner, "last_forward_path", "eager"), "bucket": bucket,
-            "backend": runner.attention_backend_name, "capture_seconds": graph.capture_seconds if graph is not None else 0.0}
+    return {
+        "seconds": sorted(times)[len(times) // 2],
+        "path": getattr(runner, "last_forward_path", "eager"),
+        "bucket": bucket,
+        "backend": runner.attention_backend_name,
+        "capture_seconds": graph.capture_seconds if graph is not None else 0.0,
+    }
 
 
 class BareAttention(AttentionBackend):

@@ -1,4 +1,4 @@
-"""Stage 4's ``ModelRunner`` with batched decode attention and a ``CudaGraphRunner``.
+"""``GraphModelRunner``: stage 4's ``ModelRunner`` with batched decode attention and a ``CudaGraphRunner``.
 
     forward(batch)
       ├─ decode, at most cuda_graph_max_bs requests ─▶ cuda_graph_runner.replay(batch)   path "graph"
@@ -20,7 +20,7 @@ import torch
 from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.model import CausalLM
 from s04_paged_kv_pool.flash_backend import FlashAttentionBackend
-from s04_paged_kv_pool.model_runner import ModelRunner as EagerModelRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
 
 from .cuda_graph_runner import DEFAULT_CUDA_GRAPH_MAX_KV_LEN, CudaGraphRunner, reserve_dummy_row
 from .decode_attention import DecodeAttentionBackend, DecodeFlashAttentionBackend
@@ -29,7 +29,9 @@ from .torch_compile import compile_model
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
 
 
-class ModelRunner(EagerModelRunner):
+class GraphModelRunner(ModelRunner):
+    attn_backend: DecodeAttentionBackend  # stage 4's, with decodes batched (set in __init__)
+
     def __init__(
         self,
         model: CausalLM,
@@ -53,7 +55,11 @@ class ModelRunner(EagerModelRunner):
         self.forward_paths: Counter[str] = Counter()
         self.last_forward_path: str | None = None
         # Stage 4's backend, with decodes batched: one attention call per layer, eager or replayed.
-        backend = DecodeFlashAttentionBackend if isinstance(self.attn_backend, FlashAttentionBackend) else DecodeAttentionBackend
+        backend = (
+            DecodeFlashAttentionBackend
+            if isinstance(self.attn_backend, FlashAttentionBackend)
+            else DecodeAttentionBackend
+        )
         self.attn_backend = backend(self.req_to_token_pool, self.token_to_kv_pool)
         if enable_torch_compile:
             compile_model(model)
@@ -61,12 +67,13 @@ class ModelRunner(EagerModelRunner):
         if disable_cuda_graph:
             return
         dummy_row = reserve_dummy_row(self.req_to_token_pool)
-        max_bs = cuda_graph_max_bs if cuda_graph_max_bs is not None else min(max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
+        max_bs = (
+            cuda_graph_max_bs if cuda_graph_max_bs is not None else min(max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
+        )
         self.cuda_graph_runner = CudaGraphRunner(self, max_bs, cuda_graph_max_kv_len, dummy_row)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""
-        raise NotImplementedError("Stage 8: when there is a cuda_graph_runner and it can_run the batch, replay it (path \"graph\"); otherwise stage 4's forward (super().forward, path \"eager\"); record the path in self.last_forward_path and count it in self.forward_paths - see stages/s08_cuda_graph/README.md")
-        self.last_forward_path = path
-        self.forward_paths[path] += 1
-        return logits
+        raise NotImplementedError(
+            "Stage 8: replay a graph when one can run the batch, else the eager pass - see stages/s08_cuda_graph/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )

@@ -45,16 +45,35 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .io_struct import (
-    AbortReq, BatchStrOut, DebugFaultReq, DebugStateOut, DebugStateReq, ErrorOut, GenerateReqInput, describe_error,
+    AbortReq,
+    BatchStrOut,
+    DebugFaultReq,
+    DebugStateOut,
+    DebugStateReq,
+    ErrorOut,
+    GenerateReqInput,
+    describe_error,
 )
-from .protocol import (
-    ChatCompletionRequest, CompletionRequest, InvalidRequest, Limits, chat_chunk, chat_completion, chat_messages,
-    check_limits, check_supported, completion, completion_chunk, completion_prompt, error_body, new_id,
-    to_sampling_params, usage,
+from .protocol import (  # noqa: F401
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    Limits,
+    chat_chunk,
+    chat_completion,
+    chat_messages,
+    check_limits,
+    check_supported,
+    completion,
+    completion_chunk,
+    completion_prompt,
+    error_body,
+    new_id,
+    to_sampling_params,
+    usage,
 )
 from .server_args import ServerArgs
 from .worker_loop import INJECTED, Heartbeats
-
 
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried
@@ -76,8 +95,12 @@ class OutputPiece:
 
 def rejection(error: ErrorOut) -> InvalidRequest:
     """A worker's ErrorOut as the exception the app turns into OpenAI's error answer."""
-    return InvalidRequest(error.message, param=error.param, status_code=error.status_code,
-                          type="invalid_request_error" if error.status_code < 500 else "server_error")
+    return InvalidRequest(
+        error.message,
+        param=error.param,
+        status_code=error.status_code,
+        type="invalid_request_error" if error.status_code < 500 else "server_error",
+    )
 
 
 def json_bytes(content) -> bytes:
@@ -94,8 +117,14 @@ class OpenAIJSONResponse(JSONResponse):
         return json_bytes(content)
 
 
-def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
-                   headers: dict[str, str] | None = None) -> OpenAIJSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param=None,
+    code=None,
+    headers: dict[str, str] | None = None,
+) -> OpenAIJSONResponse:
     return OpenAIJSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
@@ -127,8 +156,11 @@ class EngineClient:
                     finish = message.finish_reasons[i]
                     queue = self.queues.pop(rid, None) if finish is not None else self.queues.get(rid)
                     if queue is not None:
-                        queue.put_nowait(OutputPiece(message.texts[i], finish, message.prompt_tokens[i],
-                                                     message.completion_tokens[i]))
+                        queue.put_nowait(
+                            OutputPiece(
+                                message.texts[i], finish, message.prompt_tokens[i], message.completion_tokens[i]
+                            )
+                        )
             elif isinstance(message, (ErrorOut, DebugStateOut)):
                 queue = self.queues.pop(message.rid, None)
                 if queue is not None:
@@ -150,9 +182,14 @@ class EngineClient:
         if self.fatal is not None:
             raise rejection(self.fatal)
         if max_in_flight is not None and len(self.queues) >= max_in_flight:
-            raise InvalidRequest(f"the server is overloaded: {len(self.queues)} requests are in flight, the most it "
-                                 f"accepts; retry after {RETRY_AFTER_S} s", status_code=503, type="server_error",
-                                 code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise InvalidRequest(
+                f"the server is overloaded: {len(self.queues)} requests are in flight, the most it "
+                f"accepts; retry after {RETRY_AFTER_S} s",
+                status_code=503,
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         queue = self.queues[rid] = asyncio.Queue()
         return queue
 
@@ -169,8 +206,9 @@ class EngineClient:
         try:
             while True:
                 waits = ([DISCONNECT_POLL_S] if request is not None else []) + (
-                    [max(0.0, deadline - loop.time())] if deadline is not None else [])
-                done, _ = await asyncio.wait({getter}, timeout=min(waits) if waits else None)
+                    [max(0.0, deadline - loop.time())] if deadline is not None else []
+                )
+                done, _ = await asyncio.wait({getter}, timeout=min(waits) if waits else None)  # noqa: F841
                 # Checked on every piece too: pieces may come faster than the poll interval.
                 if request is not None and await request.is_disconnected():
                     raise ClientGone()
@@ -181,8 +219,9 @@ class EngineClient:
         finally:
             getter.cancel()
 
-    async def outputs(self, rid: str, queue: asyncio.Queue, first, request: Request | None,
-                      deadline: float | None) -> AsyncIterator[OutputPiece]:
+    async def outputs(
+        self, rid: str, queue: asyncio.Queue, first, request: Request | None, deadline: float | None
+    ) -> AsyncIterator[OutputPiece]:
         """A request's answer, piece by piece (starting with ``first``), until it is finished.
         A worker error after the start raises InvalidRequest."""
         item = first
@@ -200,11 +239,15 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json_bytes(data).decode()}\n\n"
 
 
-async def stream_chunks(outputs: AsyncIterator[OutputPiece], make_chunk: Callable[..., dict],
-                        include_usage: bool) -> AsyncIterator[str]:
+async def stream_chunks(
+    outputs: AsyncIterator[OutputPiece], make_chunk: Callable[..., dict], include_usage: bool
+) -> AsyncIterator[str]:
     """The SSE lines of a streamed answer. ``make_chunk(text, finish_reason, usage)`` builds one
     chunk: ``text=None`` is the usage-only chunk, ``text=""`` with a finish reason the last one."""
-    raise NotImplementedError("Stage 9: for each output: a chunk with its text if it has any, and when it finishes a chunk (\"\" and the finish reason); then, with include_usage, the usage-only chunk (text None, usage(prompt_tokens, completion_tokens) of the last output); always end with \"data: [DONE]\"; every line through sse() - see stages/s09_zmq_serving/README.md")
+    raise NotImplementedError(
+        "Stage 9: the stream's chunks for these outputs (text, finish, usage) - see stages/s09_zmq_serving/README.md#streaming-sse"  # noqa: E501 (one message, the learner's to read whole)
+    )
+    yield  # keeps stream_chunks a generator, as the solution is
 
 
 class RequestGuard:
@@ -222,12 +265,16 @@ class RequestGuard:
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith(("/v1/", "/debug/")):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.api_key):
-                return await error_response(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                                            code="invalid_api_key")(scope, receive, send)
+                return await error_response(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )(scope, receive, send)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit():
             return await error_response(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}")(
-                scope, receive, send)
+                scope, receive, send
+            )
         if int(declared) > self.max_bytes:
             return await self.too_large(scope, receive, send)
         body, more = bytearray(), True
@@ -237,7 +284,8 @@ class RequestGuard:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
             except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
                 return await error_response(408, f"the request body did not arrive within {self.read_timeout:g} s")(
-                    scope, receive, send)
+                    scope, receive, send
+                )
             if message["type"] == "http.disconnect":
                 return  # the client left while sending: nobody to answer
             body += message.get("body", b"")
@@ -257,8 +305,11 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
     async def too_large(self, scope, receive, send) -> None:
-        await error_response(413, f"the request body is larger than {self.max_bytes} bytes, the most this server takes "
-                                  "(--max-request-bytes)", code="request_too_large")(scope, receive, send)
+        await error_response(
+            413,
+            f"the request body is larger than {self.max_bytes} bytes, the most this server takes (--max-request-bytes)",
+            code="request_too_large",
+        )(scope, receive, send)
 
 
 class DebugFault(BaseModel):
@@ -270,8 +321,15 @@ class DebugFault(BaseModel):
     seconds: float = Field(0.0, ge=0, le=600)
 
 
-def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: int, ipc, pids: dict[str, int],
-               dead_child: Callable[[], str | None] = lambda: None, heartbeats: Heartbeats | None = None) -> FastAPI:
+def create_app(
+    server_args: ServerArgs,
+    limits: Limits,
+    max_running_requests: int,
+    ipc,
+    pids: dict[str, int],
+    dead_child: Callable[[], str | None] = lambda: None,
+    heartbeats: Heartbeats | None = None,
+) -> FastAPI:
     """The FastAPI app. ``limits``: what the model allows (protocol.Limits); ``dead_child()``
     says why a worker process is gone (None while all live); ``heartbeats``: the workers' (for /health)."""
     state: dict = {}
@@ -286,10 +344,16 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
         yield
         reader.cancel()
 
-    app = FastAPI(title="build-an-inference-engine, stage 9", lifespan=lifespan, default_response_class=OpenAIJSONResponse)
+    app = FastAPI(
+        title="build-an-inference-engine, stage 9", lifespan=lifespan, default_response_class=OpenAIJSONResponse
+    )
     app.state.engine = state  # the launcher reaches the client and the loop through this
-    app.add_middleware(RequestGuard, max_bytes=server_args.max_request_bytes, read_timeout=server_args.read_timeout,
-                       api_key=server_args.api_key)
+    app.add_middleware(
+        RequestGuard,
+        max_bytes=server_args.max_request_bytes,
+        read_timeout=server_args.read_timeout,
+        api_key=server_args.api_key,
+    )
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -301,7 +365,9 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
                 break  # pydantic names the union member it tried ("float", "list[str]"): not a field
             loc.append(str(part))
         if first.get("type") == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+            return error_response(
+                400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+            )
         where = ".".join(loc) or "body"
         message = f"{where}: {first['msg']}" + (f" (got {first['input']!r:.80})" if "input" in first and loc else "")
         return error_response(400, message, param=where if loc else None)
@@ -312,7 +378,9 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return error_response(
+            exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception):
@@ -321,19 +389,28 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
 
     def check_model(name: str) -> str:
         if name not in model_names:
-            raise InvalidRequest(f"The model {name!r} does not exist; this server serves {model_names[0]!r} (see /v1/models)",
-                                 param="model", status_code=404, code="model_not_found")
+            raise InvalidRequest(
+                f"The model {name!r} does not exist; this server serves {model_names[0]!r} (see /v1/models)",
+                param="model",
+                status_code=404,
+                code="model_not_found",
+            )
         return model_names[0]
 
-    async def generate(request: Request, req: GenerateReqInput, stream: bool, include_usage: bool,
-                       model: str, kind: str):
+    async def generate(
+        request: Request, req: GenerateReqInput, stream: bool, include_usage: bool, model: str, kind: str
+    ):
         client: EngineClient = state["client"]
         loop = asyncio.get_running_loop()
         deadline = None if server_args.request_timeout is None else loop.time() + server_args.request_timeout
         queue = client.open(req.rid, max_in_flight)
         client.send(req)
-        timed_out = InvalidRequest(f"the request took longer than {server_args.request_timeout} s (--request-timeout); "
-                                   "it was aborted", status_code=504, type="server_error", code="request_timeout")
+        timed_out = InvalidRequest(
+            f"the request took longer than {server_args.request_timeout} s (--request-timeout); it was aborted",
+            status_code=504,
+            type="server_error",
+            code="request_timeout",
+        )
         try:
             # Wait for the first piece before answering: a request the scheduler rejects (too
             # long a prompt) then gets a proper 400, not a 200 stream that carries an error.
@@ -419,8 +496,18 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_names[0], "object": "model", "created": 0,
-                                            "owned_by": "build-an-inference-engine", "max_model_len": limits.context_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_names[0],
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "build-an-inference-engine",
+                    "max_model_len": limits.context_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -429,13 +516,18 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
         if why is None and client.queues and heartbeats is not None:
             stuck = {name: age for name, age in heartbeats.ages().items() if age > server_args.health_timeout}
             if stuck:
-                why = "; ".join(f"the {name} has not come round its loop for {age:.0f} s" for name, age in stuck.items()) + (
-                    f" while {len(client.queues)} request(s) are in flight (--health-timeout {server_args.health_timeout:g} s)")
+                why = "; ".join(
+                    f"the {name} has not come round its loop for {age:.0f} s" for name, age in stuck.items()
+                ) + (
+                    f" while {len(client.queues)} request(s) are in flight (--health-timeout "
+                    f"{server_args.health_timeout:g} s)"
+                )
         if why is not None:
             return error_response(503, why, "server_error")
         return {"status": "ok"}
 
     if server_args.enable_debug_endpoints:
+
         async def ask_workers(message) -> dict:
             client: EngineClient = state["client"]
             queue = client.open(message.rid)
@@ -453,9 +545,14 @@ def create_app(server_args: ServerArgs, limits: Limits, max_running_requests: in
             """The scheduler's counts and invariant checks (taken between two steps), and the pids."""
             client: EngineClient = state["client"]
             answer = await ask_workers(DebugStateReq(new_id("debug")))
-            guards = {"max_request_bytes": server_args.max_request_bytes, "max_prompt_chars": limits.max_prompt_chars,
-                      "max_in_flight": max_in_flight, "request_timeout": server_args.request_timeout,
-                      "health_timeout": server_args.health_timeout, "heartbeat_ages": heartbeats.ages() if heartbeats else None}
+            guards = {
+                "max_request_bytes": server_args.max_request_bytes,
+                "max_prompt_chars": limits.max_prompt_chars,
+                "max_in_flight": max_in_flight,
+                "request_timeout": server_args.request_timeout,
+                "health_timeout": server_args.health_timeout,
+                "heartbeat_ages": heartbeats.ages() if heartbeats else None,
+            }
             return {**answer, "open_requests": len(client.queues), "pids": pids, "guards": guards}
 
         @app.post("/debug/fault")

@@ -29,7 +29,7 @@ import zmq
 
 from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.detokenizer import Decoder, IncrementalDetokenizer
-from s02_request_and_sampling.req import FinishReason, find_stop_str
+from s02_request_and_sampling.req import FinishReason, find_stop_str  # noqa: F401
 
 from .io_struct import BatchStrOut, BatchTokenIDOut, DebugFaultReq, DebugStateOut, ErrorOut
 from .worker_loop import Fault, serve_messages
@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 def stop_hold_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of ``text`` could still be the start of a stop string:
     the longest proper prefix of some stop string that ``text`` ends with (0 if none)."""
-    raise NotImplementedError("Stage 9: the longest k < len(s) (for any stop string s) such that text ends with s[:k]; 0 when none - see stages/s09_zmq_serving/README.md")
+    raise NotImplementedError(
+        "Stage 9: how many trailing characters might start a stop string - see stages/s09_zmq_serving/README.md#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy"  # noqa: E501 (one message, the learner's to read whole)
+    )
 
 
 class DecodeStatus:
@@ -58,7 +60,9 @@ class DecodeStatus:
         the text the client may see now. Joined, the returned pieces are the request's final
         text: the released text, cut before a matched stop string (and a matched stop token /
         EOS is not text), with every other tail sent once the request is over."""
-        raise NotImplementedError("Stage 9: append new_ids; if the request ended on a stop token / EOS (finish_reason.matched is an int) the final text is self.detokenizer.flush(ids without that last token); otherwise step the detokenizer, and search its new text for a stop string (stage 2's find_stop_str; remember where it starts in self.stop_pos); once finished the final text is text[:stop_pos] after a stop string, else flush(all ids); while running, send up to stop_pos, or up to the end minus stop_hold_back(...); return only what was not sent yet - see stages/s09_zmq_serving/README.md")
+        raise NotImplementedError(
+            "Stage 9: the new text a request may show, holding back what a stop string may take - see stages/s09_zmq_serving/README.md#text-a-client-may-see-utf-8-and-stop-strings-detokenizer_managerpy"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def _send_until(self, text: str, end: int) -> str:
         """The part of ``text[:end]`` not sent yet (marked as sent)."""

@@ -44,7 +44,9 @@ class HeaderDeadlineH11Protocol(H11Protocol):
     def _on_header_deadline(self) -> None:
         waiting_for_headers = self.cycle is None or self.cycle.response_complete
         if waiting_for_headers and not self.transport.is_closing():
-            self.logger.info("closing a connection whose request headers did not arrive within %g s", self.header_timeout)
+            self.logger.info(
+                "closing a connection whose request headers did not arrive within %g s", self.header_timeout
+            )
             self.transport.close()
 
     def handle_events(self) -> None:
@@ -80,10 +82,15 @@ class HTTPServer(uvicorn.Server):
 def make_http_server(app, server_args, on_exit) -> HTTPServer:
     protocol = type("H11Protocol", (HeaderDeadlineH11Protocol,), {"header_timeout": server_args.read_timeout})
     config = uvicorn.Config(
-        app, host=server_args.host, port=server_args.port, http=protocol,
-        timeout_keep_alive=server_args.keep_alive_timeout, limit_concurrency=server_args.max_connections,
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        http=protocol,
+        timeout_keep_alive=server_args.keep_alive_timeout,
+        limit_concurrency=server_args.max_connections,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         log_config=None,  # uvicorn's loggers go through the server's logging setup (launch.py), one format
-        log_level=server_args.log_level, access_log=server_args.log_level in ("info", "debug"),
+        log_level=server_args.log_level,
+        access_log=server_args.log_level in ("info", "debug"),
     )
     return HTTPServer(config, on_exit)

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from .detokenizer_manager import run_detokenizer_process
 from .io_struct import describe_error
@@ -66,11 +67,16 @@ class IpcPaths:
 
     @property
     def folder(self) -> str:
-        return os.path.dirname(self.tokenizer[len("ipc://"):])
+        return os.path.dirname(self.tokenizer[len("ipc://") :])
 
     @classmethod
     def in_folder(cls, folder: str) -> "IpcPaths":
-        return cls(*(f"ipc://{os.path.join(folder, name)}.ipc" for name in ("tokenizer", "scheduler", "detokenizer", "api_server")))
+        return cls(
+            *(
+                f"ipc://{os.path.join(folder, name)}.ipc"
+                for name in ("tokenizer", "scheduler", "detokenizer", "api_server")
+            )
+        )
 
 
 class ChildExited(RuntimeError):
@@ -85,6 +91,7 @@ def setup_logging(level: str, process: str) -> None:
 def watch_parent(parent_pid: int, folder: str) -> None:
     """Exit this process as soon as its parent is gone (it was re-parented), removing the socket
     folder the parent can no longer remove."""
+
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(0.5)
@@ -94,7 +101,9 @@ def watch_parent(parent_pid: int, folder: str) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def child_main(name: str, server_args: ServerArgs, ipc: IpcPaths, conn, parent_pid: int, heartbeats: Heartbeats) -> None:
+def child_main(
+    name: str, server_args: ServerArgs, ipc: IpcPaths, conn, parent_pid: int, heartbeats: Heartbeats
+) -> None:
     """What each child process runs: its worker, reporting ready or its error through ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(server_args.log_level, name)
@@ -115,7 +124,7 @@ class Launcher:
         self.server_args = server_args
         self.folder = tempfile.mkdtemp(prefix="engine-ipc-")
         self.ipc = IpcPaths.in_folder(self.folder)
-        self.procs: dict[str, mp.Process] = {}
+        self.procs: dict[str, mp.process.BaseProcess] = {}
         self.conns: dict[str, multiprocessing.connection.Connection] = {}
         self.errors: dict[str, str] = {}
         self.stopping = False
@@ -127,8 +136,12 @@ class Launcher:
         spawn = self.spawn
         for name in CHILDREN:
             reader, writer = spawn.Pipe(duplex=False)
-            proc = spawn.Process(target=child_main, args=(name, self.server_args, self.ipc, writer, os.getpid(), self.heartbeats),
-                                 name=f"engine-{name}", daemon=True)
+            proc = spawn.Process(
+                target=child_main,
+                args=(name, self.server_args, self.ipc, writer, os.getpid(), self.heartbeats),
+                name=f"engine-{name}",
+                daemon=True,
+            )
             proc.start()
             writer.close()
             self.procs[name], self.conns[name] = proc, reader
@@ -173,11 +186,12 @@ class Launcher:
 
     def monitor(self, on_death) -> None:
         """In a thread: call ``on_death(message)`` when a child dies while serving."""
+
         def watch():
             sentinels = {self.procs[n].sentinel: n for n in CHILDREN}
             ready = mp.connection.wait(list(sentinels))
             if not self.stopping:
-                on_death(self.exit_message(sentinels[ready[0]]))
+                on_death(self.exit_message(sentinels[cast(int, ready[0])]))  # wait() returns what it was given
 
         threading.Thread(target=watch, name="watch-children", daemon=True).start()
 
@@ -219,10 +233,21 @@ def launch_server(server_args: ServerArgs) -> int:
         names = server_args.model_names()
         scheduler, tokenizer = infos["scheduler"], infos["tokenizer"]
         context = scheduler["context_len"]
-        limits = Limits(context_len=context, vocab_size=scheduler["vocab_size"], prompt_vocab_size=tokenizer["vocab_size"],
-                        max_prompt_chars=server_args.max_prompt_chars or context * tokenizer["max_token_chars"])
-        app = create_app(server_args, limits, scheduler["max_running_requests"], launcher.ipc, pids, launcher.dead_child,
-                         launcher.heartbeats)
+        limits = Limits(
+            context_len=context,
+            vocab_size=scheduler["vocab_size"],
+            prompt_vocab_size=tokenizer["vocab_size"],
+            max_prompt_chars=server_args.max_prompt_chars or context * tokenizer["max_token_chars"],
+        )
+        app = create_app(
+            server_args,
+            limits,
+            scheduler["max_running_requests"],
+            launcher.ipc,
+            pids,
+            launcher.dead_child,
+            launcher.heartbeats,
+        )
 
         def tell_everyone(message: str, status: int) -> None:
             engine = app.state.engine
@@ -238,8 +263,11 @@ def launch_server(server_args: ServerArgs) -> int:
             server.should_exit = True
 
         launcher.monitor(on_death)
-        print(f"serving {names[0]} on http://{server_args.host}:{server_args.port}/v1 "
-              f"(device {scheduler['device']}, context {context} tokens, pids {pids}); Ctrl-C stops it", flush=True)
+        print(
+            f"serving {names[0]} on http://{server_args.host}:{server_args.port}/v1 "
+            f"(device {scheduler['device']}, context {context} tokens, pids {pids}); Ctrl-C stops it",
+            flush=True,
+        )
         server.run()
     except ChildExited as error:
         logger.error("%s", error)

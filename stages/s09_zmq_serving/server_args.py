@@ -23,12 +23,32 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
     ("--attention-backend", "attention_backend", str, "auto, torch or flash"),
     ("--schedule-policy", "schedule_policy", str, "lpm or fcfs"),
     ("--disable-radix-cache", "enable_radix_cache", "disable", "compute every prompt in full"),
-    ("--chunked-prefill-size", "chunked_prefill_size", int, "prompt tokens per step; longer prompts are chunked (stage 7)"),
+    (
+        "--chunked-prefill-size",
+        "chunked_prefill_size",
+        int,
+        "prompt tokens per step; longer prompts are chunked (stage 7)",
+    ),
     ("--cuda-graph-max-bs", "cuda_graph_max_bs", int, "largest decode batch replayed from a CUDA graph (stage 8)"),
-    ("--cuda-graph-max-kv-len", "cuda_graph_max_kv_len", int, "longest sequence a CUDA graph decodes; longer ones run eagerly (stage 8)"),
-    ("--disable-cuda-graph", "disable_cuda_graph", "flag", "run every decode eagerly (stage 8; by default graphs run on CUDA only)"),
+    (
+        "--cuda-graph-max-kv-len",
+        "cuda_graph_max_kv_len",
+        int,
+        "longest sequence a CUDA graph decodes; longer ones run eagerly (stage 8)",
+    ),
+    (
+        "--disable-cuda-graph",
+        "disable_cuda_graph",
+        "flag",
+        "run every decode eagerly (stage 8; by default graphs run on CUDA only)",
+    ),
     ("--disable-overlap", "disable_overlap", "flag", "schedule each step after its forward, not during it (stage 10)"),
-    ("--torch-threads", "torch_threads", int, "torch's CPU threads (default: OMP_NUM_THREADS, else one per physical core)"),
+    (
+        "--torch-threads",
+        "torch_threads",
+        int,
+        "torch's CPU threads (default: OMP_NUM_THREADS, else one per physical core)",
+    ),
     ("--device", "device", str, "cpu or cuda (default: cuda when there is one)"),
     ("--dtype", "dtype", "dtype", "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)"),
 ]
@@ -74,11 +94,13 @@ class ServerArgs:
 
 def positive(kind):
     """An argparse type: ``kind`` (int or float), > 0."""
+
     def parse(text: str):
         value = kind(text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     parse.__name__ = f"positive {kind.__name__}"
     return parse
 
@@ -87,32 +109,73 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's name)")
-    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
-                        help="every process's log level (info also logs every HTTP request)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: the folder's name)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=LOG_LEVELS,
+        help="every process's log level (info also logs every HTTP request)",
+    )
     guards = parser.add_argument_group("guards (see the stage 9 README: what can go wrong in a server)")
     guards.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /debug/*")
-    guards.add_argument("--enable-debug-endpoints", action="store_true",
-                        help="serve GET /debug/state (counts, invariants, pids) and POST /debug/fault (tests); off by default")
-    guards.add_argument("--max-request-bytes", type=positive(int), default=MAX_REQUEST_BYTES,
-                        help="largest request body; larger: 413 before it is parsed (default %(default)s)")
-    guards.add_argument("--max-prompt-chars", type=positive(int), default=None,
-                        help="longest prompt text in characters, checked before tokenizing "
-                             "(default: context x the longest token, beyond which no prompt can fit)")
-    guards.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
-                        help="requests accepted beyond the max_running_requests that run at once; "
-                             "more: 503 with Retry-After (default %(default)s)")
-    guards.add_argument("--request-timeout", type=positive(float), default=None,
-                        help="seconds a request may take; then it is aborted (its KV freed) and answered 504 (default: none)")
-    guards.add_argument("--health-timeout", type=positive(float), default=HEALTH_TIMEOUT_S,
-                        help="/health says 503 if a worker has not come round its loop for this many seconds "
-                             "while requests are in flight (default %(default)s)")
-    guards.add_argument("--read-timeout", type=positive(float), default=READ_TIMEOUT_S,
-                        help="seconds a client has to send a request's headers, and then its body (default %(default)s)")
-    guards.add_argument("--keep-alive-timeout", type=positive(int), default=KEEP_ALIVE_S,
-                        help="seconds an idle keep-alive connection stays open (default %(default)s)")
-    guards.add_argument("--max-connections", type=positive(int), default=MAX_CONNECTIONS,
-                        help="open connections + requests in progress; beyond: 503 (default %(default)s)")
+    guards.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/state (counts, invariants, pids) and POST /debug/fault (tests); off by default",
+    )
+    guards.add_argument(
+        "--max-request-bytes",
+        type=positive(int),
+        default=MAX_REQUEST_BYTES,
+        help="largest request body; larger: 413 before it is parsed (default %(default)s)",
+    )
+    guards.add_argument(
+        "--max-prompt-chars",
+        type=positive(int),
+        default=None,
+        help="longest prompt text in characters, checked before tokenizing "
+        "(default: context x the longest token, beyond which no prompt can fit)",
+    )
+    guards.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=MAX_QUEUED_REQUESTS,
+        help="requests accepted beyond the max_running_requests that run at once; "
+        "more: 503 with Retry-After (default %(default)s)",
+    )
+    guards.add_argument(
+        "--request-timeout",
+        type=positive(float),
+        default=None,
+        help="seconds a request may take; then it is aborted (its KV freed) and answered 504 (default: none)",
+    )
+    guards.add_argument(
+        "--health-timeout",
+        type=positive(float),
+        default=HEALTH_TIMEOUT_S,
+        help="/health says 503 if a worker has not come round its loop for this many seconds "
+        "while requests are in flight (default %(default)s)",
+    )
+    guards.add_argument(
+        "--read-timeout",
+        type=positive(float),
+        default=READ_TIMEOUT_S,
+        help="seconds a client has to send a request's headers, and then its body (default %(default)s)",
+    )
+    guards.add_argument(
+        "--keep-alive-timeout",
+        type=positive(int),
+        default=KEEP_ALIVE_S,
+        help="seconds an idle keep-alive connection stays open (default %(default)s)",
+    )
+    guards.add_argument(
+        "--max-connections",
+        type=positive(int),
+        default=MAX_CONNECTIONS,
+        help="open connections + requests in progress; beyond: 503 (default %(default)s)",
+    )
     for flag, _, kind, help_text in ENGINE_KNOBS:
         if kind in ("disable", "flag"):
             parser.add_argument(flag, action="store_true", help=help_text)
@@ -134,8 +197,27 @@ def from_cli_args(args: argparse.Namespace) -> ServerArgs:
     model = args.model if args.model is not None else str(default_model_path())
     if args.max_queued_requests < 0:
         raise SystemExit(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
-    guards = {name: getattr(args, name) for name in (
-        "api_key", "enable_debug_endpoints", "max_request_bytes", "max_prompt_chars", "max_queued_requests",
-        "request_timeout", "health_timeout", "read_timeout", "keep_alive_timeout", "max_connections")}
-    return ServerArgs(model=model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                      engine_knobs=knobs, log_level=args.log_level, **guards)
+    guards = {
+        name: getattr(args, name)
+        for name in (
+            "api_key",
+            "enable_debug_endpoints",
+            "max_request_bytes",
+            "max_prompt_chars",
+            "max_queued_requests",
+            "request_timeout",
+            "health_timeout",
+            "read_timeout",
+            "keep_alive_timeout",
+            "max_connections",
+        )
+    }
+    return ServerArgs(
+        model=model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        engine_knobs=knobs,
+        log_level=args.log_level,
+        **guards,
+    )

@@ -70,8 +70,11 @@ class TokenizerManager:
         text = self.tokenizer.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
         for i in named:
             if f"[[{tag}:{i}]]" not in text:
-                raise PromptError(f"messages[{i}].name: this model's chat template does not use a message's name, "
-                                  "so it would be dropped; leave it out (or put it in the content)", f"messages.{i}.name")
+                raise PromptError(
+                    f"messages[{i}].name: this model's chat template does not use a message's name, "
+                    "so it would be dropped; leave it out (or put it in the content)",
+                    f"messages.{i}.name",
+                )
 
 
 def run_tokenizer_process(server_args, ipc, ready, heartbeats) -> None:

@@ -82,8 +82,13 @@ class Fault:
             raise RuntimeError(INJECTED)
 
 
-def serve_messages(name: str, recv: zmq.Socket, handle: Callable[[object], None], reply_error: Callable[[ErrorOut], None],
-                   heartbeats: Heartbeats) -> None:
+def serve_messages(
+    name: str,
+    recv: zmq.Socket,
+    handle: Callable[[object], None],
+    reply_error: Callable[[ErrorOut], None],
+    heartbeats: Heartbeats,
+) -> None:
     """The worker's loop, forever: receive one message, ``handle`` it; if that raises, log it and
     ``reply_error`` an ErrorOut 500 to the message's request (if it names one)."""
     while True:
@@ -96,7 +101,11 @@ def serve_messages(name: str, recv: zmq.Socket, handle: Callable[[object], None]
             handle(message)
         except Exception as error:
             rid = getattr(message, "rid", None)
-            logger.exception("%s failed on %s %s; the request gets an error, the process goes on",
-                             name, type(message).__name__, rid or "")
+            logger.exception(
+                "%s failed on %s %s; the request gets an error, the process goes on",
+                name,
+                type(message).__name__,
+                rid or "",
+            )
             if isinstance(rid, str):
                 reply_error(ErrorOut.internal(rid, error, f"the {name} failed on this request"))

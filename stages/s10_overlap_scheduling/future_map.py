@@ -42,10 +42,14 @@ class FutureMap:
     def store(self, future_ids: list[int], token_ids: torch.Tensor) -> None:
         """After sampling (on the worker): write each sampled token where its future id points."""
         if future_ids:
-            index = torch.tensor([-f for f in future_ids], dtype=torch.int64).to(self.token_ids.device, non_blocking=True)
+            index = torch.tensor([-f for f in future_ids], dtype=torch.int64).to(
+                self.token_ids.device, non_blocking=True
+            )
             self.token_ids[index] = token_ids.to(self.token_ids.device)
 
     def resolve(self, input_ids: torch.Tensor) -> None:
         """Before the forward (on the worker): replace, in place, every negative id of
         ``input_ids`` by the token stored for it; other ids stay as they are."""
-        raise NotImplementedError("Stage 10: where input_ids < 0, take self.token_ids[-id] (index the buffer with the negated ids, clamped at 0 so real tokens index slot 0 harmlessly), elsewhere keep the id; write the result back into input_ids in place (input_ids.copy_ or [:] =) - see stages/s10_overlap_scheduling/README.md")
+        raise NotImplementedError(
+            "Stage 10: replace each negative id by its stored token, in place - see stages/s10_overlap_scheduling/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )

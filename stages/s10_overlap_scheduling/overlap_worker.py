@@ -41,11 +41,14 @@ class OverlapWorker:
         self.device = torch.device(runner.device)
         # torch's thread count is set per thread: the worker uses the scheduler's (OMP_NUM_THREADS=1 in make).
         threads = torch.get_num_threads()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward", initializer=torch.set_num_threads,
-                                           initargs=(threads,))
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="forward", initializer=torch.set_num_threads, initargs=(threads,)
+        )
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def submit(self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]) -> Future:
+    def submit(
+        self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]
+    ) -> Future:
         """Queue one step: resolve the batch's future ids, run the forward, sample the rows
         ``sample_rows`` (row i belongs to ``sample_reqs[i]``), store the tokens under
         ``future_ids``. Returns a Future of a ForwardResult."""
@@ -55,7 +58,9 @@ class OverlapWorker:
             ready.record()  # the batch's inputs and table writes, queued on the scheduler's stream
         return self.executor.submit(self.run, batch, sample_rows, sample_reqs, future_ids, ready)
 
-    def run_now(self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]) -> Future:
+    def run_now(
+        self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]
+    ) -> Future:
         """The same step run here, on the caller's thread, before returning (overlap off: no
         hand-over to the worker, so the plain loop pays nothing for the thread)."""
         done: Future = Future()

@@ -46,9 +46,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from s02_request_and_sampling.engine import check_not_stuck
+from s02_request_and_sampling.engine import check_not_stuck  # noqa: F401
 from s02_request_and_sampling.req import Req
-from s04_paged_kv_pool.allocator import pages_for
+from s04_paged_kv_pool.allocator import pages_for  # noqa: F401
 from s05_continuous_batching.schedule_batch import ScheduleBatch, slots_to_extend
 from s05_continuous_batching.scheduler import TokenOutput
 from s05_continuous_batching.trace import StepTrace
@@ -89,11 +89,12 @@ class LaunchedBatch:
 
 
 class OverlapScheduler(ChunkedPrefillScheduler):
-    def __init__(self, runner, prefix_cache, **knobs):
-        """``knobs``: stage 7's (chunked_prefill_size, schedule_policy, max_prefill_tokens,
-        new_token_ratio, on_step, clock). Overlap is on; ``enable_overlap = False`` turns it off."""
+    def __init__(self, runner, prefix_cache, enable_overlap: bool = True, **knobs):
+        """``enable_overlap``: False runs the same pieces in the plain order (see the module
+        docstring). ``knobs``: stage 7's (chunked_prefill_size, schedule_policy,
+        max_prefill_tokens, new_token_ratio, on_step, clock)."""
         super().__init__(runner, prefix_cache, **knobs)
-        self.enable_overlap = True
+        self.enable_overlap = enable_overlap
         self.future_map = FutureMap(FUTURES_PER_ROW * self.max_running_requests, runner.device)
         self.worker: OverlapWorker | None = None  # started with the first step
         self.last: LaunchedBatch | None = None  # the step in flight
@@ -121,9 +122,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.settle(launched)
             self.last = launched
             return self.process_last()
-        outputs: list[TokenOutput] = []
-        raise NotImplementedError("Stage 10: the overlapped order. If a step is in flight and must_wait_for_last(): process it first (self.process_last()). Then schedule and launch the next step (self.schedule_and_launch(); None if nothing can run), process the step that was in flight before it (if any), settle the new one, and keep it as self.last. Return every TokenOutput processed - see stages/s10_overlap_scheduling/README.md")
-        return outputs
+        raise NotImplementedError(
+            "Stage 10: the overlapped order: launch step N+1, then process step N - see stages/s10_overlap_scheduling/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def must_wait_for_last(self) -> bool:
         """Whether the next step can only be built once the step in flight is processed: it
@@ -144,14 +145,20 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         start = self.clock()
         short = self.next_pass_slots(self.decoding_reqs()) > self.available_slots()
         retracted = self.retract_for_decode() if short else []  # only after must_wait_for_last: nothing in flight
+        if short:
+            self.check_room_after_retraction()
+        for req in retracted:  # stage 5's step() does the same bookkeeping
+            req.time_stats.retracted.append(start)
+        self.stats.num_retractions += len(retracted)
         admitted = self.admit_new_requests()
         decodes = self.decoding_reqs()
         if not decodes and not admitted:
             if self.last is None and self.has_work and not self.ending:
                 head = self.waiting[0] if self.waiting else self.chunked_req
                 raise RuntimeError(
-                    f"nothing can run: request {head.rid} is first in line and its prefill needs {slots_to_extend(head, self.page_size)} "
-                    f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running will free more"
+                    f"nothing can run: request {head.rid} is first in line and its prefill needs "
+                    f"{slots_to_extend(head, self.page_size)} KV slots, {self.available_slots()} of "
+                    f"{self.runner.allocator.size} are free and nothing running will free more"
                 )
             return None
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=decodes, prefill_reqs=admitted)
@@ -164,7 +171,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         built = self.clock()  # the CPU's part ends here (without overlap the forward runs next, on this thread)
         launch = self.worker.submit if self.enable_overlap else self.worker.run_now
         result = launch(forward_batch, rows, sampled, future_ids)
-        return LaunchedBatch(batch, sampled, chunked, future_ids, result, (start, built), batch.prefill_tokens, retracted)
+        return LaunchedBatch(
+            batch, sampled, chunked, future_ids, result, (start, built), batch.prefill_tokens, retracted
+        )
 
     def settle(self, launched: LaunchedBatch) -> None:
         """The launched step's bookkeeping, done after the previous step was processed: the K/V of
@@ -187,15 +196,22 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         start = self.clock()
         outputs = self.process_batch_result_overlap(launched, result.token_ids, next_batch)
         end = self.clock()
-        self.timeline.append(StepTiming(
-            self.stats.steps + 1, launched.schedule, (result.start, result.end), (start, end),
-            len(launched.batch.reqs), launched.prefill_tokens,
-        ))
+        self.timeline.append(
+            StepTiming(
+                self.stats.steps + 1,
+                launched.schedule,
+                (result.start, result.end),
+                (start, end),
+                len(launched.batch.reqs),
+                launched.prefill_tokens,
+            )
+        )
         self.record_step(launched, outputs, end)
         return outputs
 
-    def process_batch_result_overlap(self, launched: LaunchedBatch, token_ids: list[int],
-                                     next_batch: LaunchedBatch | None) -> list[TokenOutput]:
+    def process_batch_result_overlap(
+        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+    ) -> list[TokenOutput]:
         """Step N's results, while step N+1 runs: the half-prefilled requests keep their chunk and
         wait for the next one (as in stage 7); each sampled request replaces its future id by its
         token and checks its stop conditions; whoever finished is released, unless the step in
@@ -207,8 +223,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.cache_unfinished_req(req)
             self.running.remove(req)
             self.chunked_req = req
-        outputs, got_token = [], []
-        raise NotImplementedError("Stage 10: for each sampled request with its future id and token: if it already ended (finished at the step before, or aborted), drop its future id if it is still its last output id (self.drop_future), release_ended it, and go on. Else its last output id is its future id: replace it by the token, check_finished, record a TokenOutput; if it finished: take it out of self.running, and release it (insert=True) unless it is in the step in flight, next_batch (then add it to self.ending). Then check_not_stuck the requests that got a token - see stages/s10_overlap_scheduling/README.md")
+        outputs, got_token = self.process_sampled(launched, token_ids, next_batch)
         now = self.clock()
         for req in got_token:
             if req.time_stats.first_token is None:
@@ -216,6 +231,15 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             if req.finished:
                 req.time_stats.finished = now
         return outputs
+
+    def process_sampled(
+        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+    ) -> tuple[list[TokenOutput], list[Req]]:
+        """Each sampled request of step N with its future id and its token: the stream's outputs,
+        and the requests that got a token."""
+        raise NotImplementedError(
+            "Stage 10: each future id becomes its token; release what ended, unless still in flight - see stages/s10_overlap_scheduling/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def drop_future(self, req: Req, future_id: int) -> None:
         """An ended request's token of the step in flight is discarded: if its future id is its
@@ -230,7 +254,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         position had one of its own), so it leaves with the K/V of exactly the positions stage 8
         keeps: all but its last token. An aborted one keeps everything it computed (all real
         tokens: its future id is gone), as an abort between two stage-8 steps does."""
-        raise NotImplementedError("Stage 10: keep all computed positions (cached_len) if it was aborted, else all but the last one (cached_len - 1: the extra position the dropped step stored); free the slots from the first whole page after keep (pages_for(keep) * page_size) up to cached_len, set cached_len = keep; then release_req (insert unless aborted) and remove it from self.ending - see stages/s10_overlap_scheduling/README.md")
+        raise NotImplementedError(
+            "Stage 10: drop the extra position a dropped step stored, then release the request - see stages/s10_overlap_scheduling/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )
 
     def record_step(self, launched: LaunchedBatch, outputs: list[TokenOutput], now: float) -> None:
         """Stage 5's statistics and StepTrace, for a step that has just been processed."""
@@ -240,15 +266,22 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         stats.prefill_tokens += launched.prefill_tokens
         stats.decode_tokens += len(batch.decode_reqs)
         if self.on_step is not None:
-            self.on_step(StepTrace(
-                step=stats.steps, start=launched.schedule[0], end=now,
-                prefill_rids=[req.rid for req in batch.prefill_reqs], prefill_tokens=launched.prefill_tokens,
-                decode_rids=[req.rid for req in batch.decode_reqs],
-                running=len(self.running), waiting=len(self.waiting),
-                free_slots=self.runner.allocator.available_size(), pool_size=self.runner.allocator.size,
-                retracted_rids=[req.rid for req in launched.retracted],
-                finished_rids=[out.rid for out in outputs if out.finish_reason is not None],
-            ))
+            self.on_step(
+                StepTrace(
+                    step=stats.steps,
+                    start=launched.schedule[0],
+                    end=now,
+                    prefill_rids=[req.rid for req in batch.prefill_reqs],
+                    prefill_tokens=launched.prefill_tokens,
+                    decode_rids=[req.rid for req in batch.decode_reqs],
+                    running=len(self.running),
+                    waiting=len(self.waiting),
+                    free_slots=self.runner.allocator.available_size(),
+                    pool_size=self.runner.allocator.size,
+                    retracted_rids=[req.rid for req in launched.retracted],
+                    finished_rids=[out.rid for out in outputs if out.finish_reason is not None],
+                )
+            )
 
     # --- requests ending from outside -------------------------------------------------------------------
 
@@ -283,5 +316,5 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             req.cached_len = req.prefix_match.cached_len if req.prefix_match is not None else 0
         ending, self.ending = self.ending, []
         for req in ending:
-            self.release_req(req, insert=False)
+            self.release_req(req, "aborted")
         return ending + super().abort_failed_step()

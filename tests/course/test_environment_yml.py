@@ -29,7 +29,9 @@ def test_pip_packages_and_pins_agree_with_pyproject():
     assert len(pip_lists) == 1, "environment.yml needs exactly one pip: section"
     expected, got = pinned(project["dependencies"]), pinned(pip_lists[0])
     assert sorted(got) == sorted(expected), (
-        f"only in pyproject.toml: {sorted(set(expected) - set(got))}; only in environment.yml: {sorted(set(got) - set(expected))}")
+        f"only in pyproject.toml: {sorted(set(expected) - set(got))}; only in environment.yml: "
+        f"{sorted(set(got) - set(expected))}"
+    )
     for name, specifier in expected.items():
         assert got[name] == specifier, f"{name}: pyproject.toml says {specifier}, environment.yml says {got[name]}"
 
@@ -40,7 +42,9 @@ def test_conda_python_satisfies_requires_python():
     pythons = [d for d in environment["dependencies"] if isinstance(d, str) and re.match(r"python\b", d)]
     assert len(pythons) == 1, "environment.yml must name one python version"
     version = pythons[0].split("=", 1)[1].lstrip("=")
-    assert SpecifierSet(project["requires-python"]).contains(version), f"{pythons[0]} vs requires-python {project['requires-python']}"
+    assert SpecifierSet(project["requires-python"]).contains(version), (
+        f"{pythons[0]} vs requires-python {project['requires-python']}"
+    )
 
 
 def test_the_model_package_pin_is_the_same_everywhere():

@@ -15,8 +15,12 @@ import gpu_check  # noqa: E402
 
 
 def rehearse(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--rehearsal", "--quick", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_check.py"), "--rehearsal", "--quick", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_rehearsal_runs_every_step_and_leaves_what_a_gpu_run_brings_back(tmp_path):
@@ -24,7 +28,9 @@ def test_the_rehearsal_runs_every_step_and_leaves_what_a_gpu_run_brings_back(tmp
     summary = (tmp_path / "summary.txt").read_text()
     assert done.returncode == 0, f"the rehearsal failed:\n{summary}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     lines = summary.splitlines()
-    assert lines[1].startswith("GPU: ") and "torch" in lines[2] and "CUDA" in lines[2] and "cuDNN" in lines[2], lines[:4]
+    assert lines[1].startswith("GPU: ") and "torch" in lines[2] and "CUDA" in lines[2] and "cuDNN" in lines[2], lines[
+        :4
+    ]
     for step in gpu_check.STEPS:
         assert f"PASS    {step.name} " in summary, f"step {step.name} did not pass:\n{summary}"
     results = json.loads((tmp_path / "results.json").read_text())

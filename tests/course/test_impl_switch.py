@@ -82,7 +82,9 @@ def test_each_package_comes_from_the_selected_tree(trees, settings, alpha, fake)
     got = where(trees, **settings)
     assert tree_of(trees, got["alpha"]) == alpha, f"s97_alpha under {settings}: {got['alpha']}"
     assert tree_of(trees, got["fake"]) == fake, f"s98_fake under {settings}: {got['fake']}"
-    assert got["fake_sees_alpha_from"] == alpha, "a stage importing an earlier one must get the earlier one's selected tree"
+    assert got["fake_sees_alpha_from"] == alpha, (
+        "a stage importing an earlier one must get the earlier one's selected tree"
+    )
 
 
 def test_describe_says_what_is_under_test(trees):
@@ -94,21 +96,32 @@ def test_describe_says_what_is_under_test(trees):
 
 
 def test_sources_maps_every_package_to_its_tree(trees):
-    code = f"import sys, json; sys.path.insert(0, {str(TOOLS)!r}); import impl_switch; print(json.dumps(impl_switch.Switch.from_env().sources()))"
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(TOOLS)!r}); import impl_switch; "
+        "print(json.dumps(impl_switch.Switch.from_env().sources()))"
+    )
     done = run_python(code, clean_env(trees, ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO="97"))
     assert done.returncode == 0, done.stderr
     sources = json.loads(done.stdout)
-    assert sources == {"s97_alpha": str(trees.resolve() / "solutions" / "s97_alpha"),
-                       "s98_fake": str(trees.resolve() / "stages" / "s98_fake")}
+    assert sources == {
+        "s97_alpha": str(trees.resolve() / "solutions" / "s97_alpha"),
+        "s98_fake": str(trees.resolve() / "stages" / "s98_fake"),
+    }
 
 
 @pytest.mark.parametrize(
     "settings, expected",
     [
         ({"ENGINE_IMPL": "foo"}, ["ENGINE_IMPL='foo' is not valid", "allowed values", "solutions", "stages"]),
-        ({"ENGINE_IMPL": "stages", "ENGINE_REFERENCE_UPTO": "two"}, ["ENGINE_REFERENCE_UPTO='two' is not valid", "K >= 0"]),
+        (
+            {"ENGINE_IMPL": "stages", "ENGINE_REFERENCE_UPTO": "two"},
+            ["ENGINE_REFERENCE_UPTO='two' is not valid", "K >= 0"],
+        ),
         ({"ENGINE_IMPL": "stages", "ENGINE_REFERENCE_UPTO": "-1"}, ["ENGINE_REFERENCE_UPTO='-1' is not valid"]),
-        ({"ENGINE_IMPL": "stages", "ENGINE_STAGES_DIR": "/no/such/dir"}, ["ENGINE_STAGES_DIR='/no/such/dir' is not a directory"]),
+        (
+            {"ENGINE_IMPL": "stages", "ENGINE_STAGES_DIR": "/no/such/dir"},
+            ["ENGINE_STAGES_DIR='/no/such/dir' is not a directory"],
+        ),
     ],
 )
 def test_bad_settings_are_refused_with_a_clear_message(trees, settings, expected):
@@ -130,8 +143,10 @@ def test_a_package_missing_from_its_tree_does_not_fall_back_to_the_other(trees):
 
 
 def test_install_refuses_when_a_package_was_already_imported_from_the_other_tree(trees):
-    code = (f"import sys; sys.path.insert(0, {str(trees / 'solutions')!r}); import s97_alpha\n"
-            f"sys.path.insert(0, {str(TOOLS)!r}); import impl_switch; impl_switch.install()")
+    code = (
+        f"import sys; sys.path.insert(0, {str(trees / 'solutions')!r}); import s97_alpha\n"
+        f"sys.path.insert(0, {str(TOOLS)!r}); import impl_switch; impl_switch.install()"
+    )
     done = run_python(code, clean_env(trees, ENGINE_IMPL="stages"))
     assert done.returncode != 0 and "already imported from another tree" in done.stderr, done.stderr
 
@@ -159,7 +174,9 @@ if __name__ == "__main__":
     script = trees / "parent.py"
     script.write_text(code)
     env = clean_env(trees, ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO="97")
-    done = subprocess.run([sys.executable, str(script)], env=env, cwd=trees, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=trees, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert tree_of(trees, lines["child"]) == "stages", done.stdout
@@ -170,13 +187,16 @@ if __name__ == "__main__":
 def test_launcher_runs_the_milestone_of_the_selected_tree(trees, stage):
     command = [sys.executable, str(TOOLS / "impl_switch.py"), "run", stage, "--flag", "x"]
     for impl in ("stages", "solutions"):
-        done = subprocess.run(command, env=clean_env(trees, ENGINE_IMPL=impl), cwd=trees,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            command, env=clean_env(trees, ENGINE_IMPL=impl), cwd=trees, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == f"milestone of the {impl} tree ['--flag', 'x']"
 
 
 def test_launcher_explains_an_unknown_stage(trees):
     command = [sys.executable, str(TOOLS / "impl_switch.py"), "run", "42"]
-    done = subprocess.run(command, env=clean_env(trees, ENGINE_IMPL="stages"), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        command, env=clean_env(trees, ENGINE_IMPL="stages"), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "no package for stage 42" in done.stderr, done.stderr

@@ -25,7 +25,9 @@ def test_the_allocator_check_catches_a_leak_and_a_shared_slot():
 def test_the_scheduler_check_catches_a_leak(tiny_models_root):
     path = str(tiny_models_root / "llama")
     engine = Engine(engine_model(path), engine_tokenizer(path), pool_size=256, max_running_requests=4)
-    engine.generate([list(b"a small job"), list(b"x")], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    engine.generate(
+        [list(b"a small job"), list(b"x")], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    )
     engine.scheduler.check_invariants()
     engine.runner.allocator.alloc_extend([0], [3], [0])  # three slots taken behind the scheduler's back
     with pytest.raises(AssertionError, match="leak"):

@@ -45,9 +45,19 @@ class Lab:
         env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
         self.log = (tmp_path / "lab.log").open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "tools/lab.py", "--no-browser", f"--port={self.port}", "--ServerApp.port_retries=0",
-             f"--IdentityProvider.token={self.token}"],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "tools/lab.py",
+                "--no-browser",
+                f"--port={self.port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.log_path = tmp_path / "lab.log"
 
@@ -56,10 +66,15 @@ class Lab:
 
     def kernel_channel(self, notebook: str):
         """A session for ``notebook`` on the server's default kernel, and that kernel's websocket."""
-        session = requests.post(f"{self.base}/api/sessions", params={"token": self.token}, timeout=60,
-                                json={"path": notebook, "type": "notebook", "name": notebook}).json()
+        session = requests.post(
+            f"{self.base}/api/sessions",
+            params={"token": self.token},
+            timeout=60,
+            json={"path": notebook, "type": "notebook", "name": notebook},
+        ).json()
         return websocket.create_connection(
-            f"ws://127.0.0.1:{self.port}/api/kernels/{session['kernel']['id']}/channels?token={self.token}", timeout=300)
+            f"ws://127.0.0.1:{self.port}/api/kernels/{session['kernel']['id']}/channels?token={self.token}", timeout=300
+        )
 
     def wait_until_up(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -72,13 +87,19 @@ class Lab:
             except requests.ConnectionError:
                 pass
             time.sleep(0.5)
-        pytest.fail(f"JupyterLab did not answer on {self.base} within {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+        pytest.fail(
+            f"JupyterLab did not answer on {self.base} within {timeout} s:\n{self.log_path.read_text()[-3000:]}"
+        )
 
     def run_cells(self, notebook: str, count: int) -> list[str]:
         """Start a session for ``notebook`` on the server's default kernel, run its first ``count``
         code cells over the kernel's websocket; returns each cell's printed text."""
         cells = self.get(f"/api/contents/{notebook}", content=1).json()["content"]["cells"]
-        sources = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in cells if c["cell_type"] == "code"]
+        sources = [
+            "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            for c in cells
+            if c["cell_type"] == "code"
+        ]
         channel = self.kernel_channel(notebook)
         try:
             return [execute(channel, source) for source in sources[:count]]
@@ -99,12 +120,30 @@ class Lab:
 def execute(channel, code: str) -> str:
     """Run ``code`` on the kernel behind ``channel``; its stdout, or a failure with its error."""
     msg_id = uuid.uuid4().hex
-    channel.send(json.dumps({
-        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test", "session": uuid.uuid4().hex,
-                   "version": "5.3"},
-        "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-        "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {}, "allow_stdin": False},
-    }))
+    channel.send(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id,
+                    "msg_type": "execute_request",
+                    "username": "test",
+                    "session": uuid.uuid4().hex,
+                    "version": "5.3",
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "buffers": [],
+                "content": {
+                    "code": code,
+                    "silent": False,
+                    "store_history": False,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                },
+            }
+        )
+    )
     out = []
     while True:
         message = json.loads(channel.recv())
@@ -134,9 +173,12 @@ def test_lab_runs_a_notebook_on_the_reference_by_default(server, default_model_d
     specs = server.get("/api/kernelspecs").json()
     default = specs["kernelspecs"][specs["default"]]["spec"]
     assert specs["default"] == "python3" and "engine: the reference" in default["display_name"], (
-        f"the default kernel should be the course's python3 kernel on the reference engine, got {specs['default']}: {default}"
+        f"the default kernel should be the course's python3 kernel on the reference engine, got {specs['default']}: "
+        f"{default}"
     )
-    assert default["argv"][0] == sys.executable, f"the kernel should run this environment's Python, not {default['argv'][0]}"
+    assert default["argv"][0] == sys.executable, (
+        f"the kernel should run this environment's Python, not {default['argv'][0]}"
+    )
     setup, table = server.run_cells(NOTEBOOK, 2)
     first_line = setup.splitlines()[0]
     assert first_line.startswith("engine: the reference (solutions/)") and "device: cpu" in first_line, (
@@ -154,10 +196,19 @@ def test_with_engine_impl_stages_the_kernel_imports_your_code(tmp_path):
     folder = lab_tool.write_kernel_spec(tmp_path, switch, str(lab_tool.impl_switch.SWITCH_SITE))
     spec = json.loads((folder / "kernel.json").read_text())
     assert "your code (stages/; stages 1-2 from solutions/)" in spec["display_name"], spec["display_name"]
-    probe = "import importlib.util as u; print(u.find_spec('s02_request_and_sampling').origin); print(u.find_spec('s03_kv_cache').origin)"
+    probe = (
+        "import importlib.util as u; print(u.find_spec('s02_request_and_sampling').origin); "
+        "print(u.find_spec('s03_kv_cache').origin)"
+    )
     env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS}
-    done = subprocess.run([spec["argv"][0], "-c", probe], env={**env, **spec["env"]}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [spec["argv"][0], "-c", probe],
+        env={**env, **spec["env"]},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     earlier, own = done.stdout.split()
     assert Path(earlier).is_relative_to(REPO / "solutions") and Path(own).is_relative_to(REPO / "stages"), (
         f"with ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=2 the kernel should import stage 2 from solutions/ and stage 3 "

@@ -24,9 +24,17 @@ def learner_run(*tests: str, reference_upto: int = 0, stages_dir: Path | None = 
     env.update(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto))
     if stages_dir is not None:
         env["ENGINE_STAGES_DIR"] = str(stages_dir)
-    done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == exit_code, f"pytest should exit {exit_code}, it exited {done.returncode}:\n{done.stdout[-3000:]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == exit_code, (
+        f"pytest should exit {exit_code}, it exited {done.returncode}:\n{done.stdout[-3000:]}"
+    )
     return done.stdout
 
 
@@ -39,7 +47,9 @@ def test_an_unwritten_exercise_names_its_file_line_and_function():
     assert "test(s) stop at stages/s04_paged_kv_pool/allocator.py:" in summary, out[-3000:]
     # Among the failures, the exercise's text in full once, then "the same exercise as above".
     failures = out.split("FAILURES")[1].split("exercises not written yet")[0]
-    assert failures.count("-> Stage 4: take the fresh pages") == 1, failures[:3000]
+    # The one-line task and the README section that holds the idea, a first hint and the folded recipe.
+    task = "-> Stage 4: give every request the slots of its new positions, filling its last page first"
+    assert failures.count(f"{task} - see stages/s04_paged_kv_pool/README.md#what-you-write") == 1, failures[:3000]
     assert "(the same exercise as above)" in failures, failures[:3000]
 
 

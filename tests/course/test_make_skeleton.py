@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.make_skeleton import MarkerError, skeleton_source
+from make_skeleton import ANCHOR_LINE, BEGIN, MarkerError, skeleton_source
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATOR = REPO / "tools" / "make_skeleton.py"
@@ -28,16 +30,24 @@ SOLUTION = textwrap.dedent('''\
     class Box:
         def size(self):
             total = 0
-            # BEGIN EXERCISE: add up the items
+            # BEGIN EXERCISE: add up the items [#the-box]
             for item in self.items:
                 total += item
-            # END EXERCISE
             return total
+            # END EXERCISE
     ''')
 
 
 def generate(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(GENERATOR), "--solutions", str(tmp / "solutions"), "--stages", str(tmp / "stages"), *flags]
+    command = [
+        sys.executable,
+        str(GENERATOR),
+        "--solutions",
+        str(tmp / "solutions"),
+        "--stages",
+        str(tmp / "stages"),
+        *flags,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
@@ -67,9 +77,8 @@ def test_regions_become_one_raise_at_the_markers_indentation(tree):
 
         class Box:
             def size(self):
-                total = 0
-                raise NotImplementedError("Stage 3: add up the items - see stages/s03_demo/README.md")
-                return total
+                total = 0  # noqa: F841
+                raise NotImplementedError("Stage 3: add up the items - see stages/s03_demo/README.md#the-box")
         ''')
     namespace = {}
     exec(compile(got, "work.py", "exec"), namespace)
@@ -120,11 +129,17 @@ def test_check_lists_every_out_of_sync_file_with_a_fix(tree):
     [
         ("def f():\n    # BEGIN EXERCISE: a\n    return 1\n", "s01_x/m.py:2: BEGIN EXERCISE has no matching END"),
         ("def f():\n    return 1\n    # END EXERCISE\n", "s01_x/m.py:3: END EXERCISE without a BEGIN"),
-        ("def f():\n    # BEGIN EXERCISE: a\n    # BEGIN EXERCISE: b\n    return 1\n    # END EXERCISE\n    # END EXERCISE\n",
-         "s01_x/m.py:3: BEGIN EXERCISE inside the region opened at line 2"),
+        (
+            "def f():\n    # BEGIN EXERCISE: a\n    # BEGIN EXERCISE: b\n    return 1\n    # END EXERCISE\n    # END "
+            "EXERCISE\n",
+            "s01_x/m.py:3: BEGIN EXERCISE inside the region opened at line 2",
+        ),
         ("def f():\n    # BEGIN EXERCISE a\n    return 1\n    # END EXERCISE\n", "s01_x/m.py:2: malformed marker"),
         ("def f():\n    # BEGIN EXERCISE:\n    return 1\n    # END EXERCISE\n", "s01_x/m.py:2: malformed marker"),
-        ("def f():\n    # BEGIN EXERCISE: a\n    return 1\n# END EXERCISE\n", "s01_x/m.py:4: END EXERCISE is not indented like its BEGIN at line 2"),
+        (
+            "def f():\n    # BEGIN EXERCISE: a\n    return 1\n# END EXERCISE\n",
+            "s01_x/m.py:4: END EXERCISE is not indented like its BEGIN at line 2",
+        ),
         ("def f():\n    if True:\n        # BEGIN EXERCISE: a\n        x = 1\n        # END EXERCISE\n", None),  # fine
     ],
 )
@@ -135,6 +150,47 @@ def test_malformed_markers_name_file_and_line(source, expected):
     with pytest.raises(MarkerError) as caught:
         skeleton_source(source, "s01_x/m.py", 1, "s01_x")
     assert str(caught.value).startswith(expected), str(caught.value)
+
+
+def test_code_after_a_region_in_its_block_is_refused_as_dead_code():
+    source = "def f(x):\n    y = x\n    # BEGIN EXERCISE: a\n    y += 1\n    # END EXERCISE\n    return y\n"
+    with pytest.raises(MarkerError, match=r"s01_x/m.py:3: code follows this region in the same block \('return y'\)"):
+        skeleton_source(source, "s01_x/m.py", 1, "s01_x")
+    inner = "def f(x):\n    if x:\n        # BEGIN EXERCISE: a\n        x += 1\n        # END EXERCISE\n    return x\n"
+    assert "raise NotImplementedError" in skeleton_source(inner, "s01_x/m.py", 1, "s01_x")  # the block ended
+
+
+def test_a_task_longer_than_one_line_is_refused():
+    task = "do this, then that, " * 6
+    source = f"def f():\n    # BEGIN EXERCISE: {task}\n    return 1\n    # END EXERCISE\n"
+    with pytest.raises(MarkerError, match=r"s01_x/m.py:2: the task is \d+ characters; name it in one line"):
+        skeleton_source(source, "s01_x/m.py", 1, "s01_x")
+
+
+def test_names_only_the_removed_region_used_are_marked_for_the_linter():
+    source = textwrap.dedent("""\
+        import heapq
+        import math
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from collections import deque
+
+
+        def f(queue: "deque[int]", x: float) -> float:
+            rows, kept = list(queue), 2
+            scale = math.sqrt(x)
+            # BEGIN EXERCISE: pop the smallest [#pop]
+            return heapq.heappop(rows) * scale
+            # END EXERCISE
+        """)
+    got = skeleton_source(source, "s01_x/m.py", 1, "s01_x").splitlines()
+    assert got[0] == "import heapq  # noqa: F401"  # only the exercise used it
+    assert got[1] == "import math"  # the skeleton still uses it
+    assert got[5] == "    from collections import deque"  # a quoted annotation uses it
+    assert got[9] == "    rows, kept = list(queue), 2  # noqa: F841"
+    assert got[10] == "    scale = math.sqrt(x)  # noqa: F841"
+    assert got[11] == '    raise NotImplementedError("Stage 1: pop the smallest - see stages/s01_x/README.md#pop")'
 
 
 def test_a_skeleton_that_is_not_python_is_refused():
@@ -154,3 +210,53 @@ def test_the_command_reports_marker_errors_with_file_and_line(tree):
     done = generate(tree)
     assert done.returncode == 2
     assert "solutions/s03_demo/bad.py:2: BEGIN EXERCISE has no matching END EXERCISE" in done.stderr
+
+
+def heading_anchors(readme: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces -> '-')."""
+    anchors = set()
+    for line in readme.splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().replace("`", "").lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return anchors
+
+
+def test_every_exercise_names_its_task_in_one_line_and_points_at_a_readme_section():
+    problems = []
+    for path in sorted((REPO / "solutions").glob("s*/**/*.py")):
+        package = path.relative_to(REPO / "solutions").parts[0]
+        source = path.read_text(encoding="utf-8")
+        if "BEGIN EXERCISE" not in source:
+            continue
+        readme = (REPO / "solutions" / package / "README.md").read_text(encoding="utf-8")
+        lines = source.splitlines()
+        for number, line in enumerate(lines, start=1):
+            begin = BEGIN.match(line)
+            if not begin:
+                continue
+            where = f"{path.relative_to(REPO)}:{number}"
+            own_line = ANCHOR_LINE.match(lines[number]) if number < len(lines) else None
+            anchor = begin.group(3) or (own_line.group(2) if own_line else None)
+            if anchor is None:
+                problems.append(f"{where}: no [#anchor] to the README section of this exercise")
+            elif anchor not in heading_anchors(readme):
+                problems.append(f"{where}: #{anchor} is no heading of solutions/{package}/README.md")
+        if "<summary>If you are stuck" not in readme:
+            problems.append(f"solutions/{package}/README.md: no folded 'If you are stuck' recipe")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_generator_whose_yields_were_all_in_the_region_stays_a_generator():
+    source = textwrap.dedent("""\
+        async def chunks(outputs):
+            # BEGIN EXERCISE: one line per output [#chunks]
+            async for out in outputs:
+                yield out
+            # END EXERCISE
+        """)
+    got = skeleton_source(source, "s09_x/m.py", 9, "s09_x")
+    assert got.splitlines()[-1] == "    yield  # keeps chunks a generator, as the solution is"
+    namespace: dict = {}
+    exec(compile(got, "m.py", "exec"), namespace)
+    assert inspect.isasyncgenfunction(namespace["chunks"]), "async for over it must reach the exercise's message"

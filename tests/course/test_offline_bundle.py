@@ -28,11 +28,15 @@ def fake_files(folder: Path, sizes: list[int]) -> list[Path]:
 
 
 def load_sizes(out: Path) -> dict[int, int]:
-    return {int(d.name): sum(f.stat().st_size for f in d.iterdir() if f.name != offline_bundle.MANIFEST)
-            for d in out.iterdir()}
+    return {
+        int(d.name): sum(f.stat().st_size for f in d.iterdir() if f.name != offline_bundle.MANIFEST)
+        for d in out.iterdir()
+    }
 
 
-@pytest.mark.parametrize("sizes, capacity", [([10, 3000, 25000], 8000), ([5000], 5000), ([1, 2, 3], 100), ([9000, 9000], 4000)])
+@pytest.mark.parametrize(
+    "sizes, capacity", [([10, 3000, 25000], 8000), ([5000], 5000), ([1, 2, 3], 100), ([9000, 9000], 4000)]
+)
 def test_loads_are_full_but_never_over_capacity_and_join_back_byte_for_byte(tmp_path, sizes, capacity):
     files = fake_files(tmp_path / "wheels", sizes)
     out, stash = tmp_path / "out", tmp_path / "stash"
@@ -101,13 +105,21 @@ class FakePip:
     PEP 668 Python does, records every call."""
 
     def __init__(self, refusals: int):
-        self.refusals, self.calls = refusals, []
+        self.refusals = refusals
+        self.calls: list[list[str]] = []
 
     def __call__(self, cmd, **kwargs):
         self.calls.append(cmd)
         refused = len(self.calls) <= self.refusals
-        return type("Done", (), {"returncode": 1 if refused else 0, "stdout": "",
-                                 "stderr": "error: externally-managed-environment" if refused else ""})()
+        return type(
+            "Done",
+            (),
+            {
+                "returncode": 1 if refused else 0,
+                "stdout": "",
+                "stderr": "error: externally-managed-environment" if refused else "",
+            },
+        )()
 
 
 @pytest.mark.parametrize("refusals, where", [(0, "into "), (1, "--break-system-packages"), (2, "pip --target")])

@@ -36,7 +36,9 @@ def course(tmp_path_factory) -> Path:
     write(root / "pyproject.toml", '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
     write(root / "solutions" / "s00_foundation" / "__init__.py", "ONE = 1\n")
     write(root / "solutions" / "s01_add" / "README.md", "# add\n")
-    write(root / "solutions" / "s01_add" / "__init__.py", """\
+    write(
+        root / "solutions" / "s01_add" / "__init__.py",
+        """\
         def add(a, b):
             # BEGIN EXERCISE: return the sum
             return a + b
@@ -45,9 +47,12 @@ def course(tmp_path_factory) -> Path:
 
         def double(a):
             return 2 * a
-        """)
+        """,
+    )
     write(root / "solutions" / "s02_mul" / "README.md", "# mul\n")
-    write(root / "solutions" / "s02_mul" / "__init__.py", """\
+    write(
+        root / "solutions" / "s02_mul" / "__init__.py",
+        """\
         from s01_add import add
 
 
@@ -58,11 +63,14 @@ def course(tmp_path_factory) -> Path:
                 total = add(total, a)
             return total
             # END EXERCISE
-        """)
+        """,
+    )
     write(root / "solutions" / "s03_later" / "__init__.py", "")
     write(root / "tests" / "conftest.py", CONFTEST)
     (root / "tests" / "stage03").mkdir()  # a folder whose tests are not written yet
-    write(root / "tests" / "stage01" / "test_add.py", """\
+    write(
+        root / "tests" / "stage01" / "test_add.py",
+        """\
         import pytest
         from s01_add import add, double
 
@@ -77,19 +85,25 @@ def course(tmp_path_factory) -> Path:
 
         def test_skipped():
             pytest.skip("not on this machine")
-        """)
-    write(root / "tests" / "stage02" / "test_mul.py", """\
+        """,
+    )
+    write(
+        root / "tests" / "stage02" / "test_mul.py",
+        """\
         from s02_mul import mul
 
 
         def test_mul():
             assert mul(3, 4) == 12
-        """)
+        """,
+    )
     return root
 
 
 def tool(name: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOLS / name), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(TOOLS / name), *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_prove_reports_tests_that_pass_or_skip_on_the_skeleton(course):
@@ -114,14 +128,28 @@ def test_prove_accepts_honest_tests_and_checks_solutions_on_request(course):
 def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     finished, untouched, broken, empty = (tmp_path / n for n in ("finished", "untouched", "broken", "empty"))
     shutil.copytree(course / "solutions", finished / "stages")
-    assert tool("make_skeleton.py", "--solutions", str(course / "solutions"), "--stages", str(untouched / "stages")).returncode == 0
+    assert (
+        tool(
+            "make_skeleton.py", "--solutions", str(course / "solutions"), "--stages", str(untouched / "stages")
+        ).returncode
+        == 0
+    )
     shutil.copytree(finished / "stages", broken / "stages")
     (broken / "stages" / "s02_mul" / "__init__.py").write_text("this is not python\n")
     empty.mkdir()
     reports = tmp_path / "reports"
 
-    done = tool("grade.py", "--root", str(course), "--junit-dir", str(reports),
-                str(finished), str(untouched), str(broken), str(empty))
+    done = tool(
+        "grade.py",
+        "--root",
+        str(course),
+        "--junit-dir",
+        str(reports),
+        str(finished),
+        str(untouched),
+        str(broken),
+        str(empty),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     tables = {block.split("\n", 1)[0].strip(): block for block in done.stdout.split("== ")[1:]}
 
@@ -133,7 +161,9 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     assert (score("untouched", 1), score("untouched", 2)) == ("1/3", "0/1")
     assert score("broken", 2) == "0/1", "a stage whose module does not import still counts its tests"
     broken_rows = tables[str(tmp_path / "broken")]
-    assert "first error: NameError: name 'this' is not defined" in broken_rows, f"a broken checkout should say why:\n{broken_rows}"
+    assert "first error: NameError: name 'this' is not defined" in broken_rows, (
+        f"a broken checkout should say why:\n{broken_rows}"
+    )
     assert next(line for line in broken_rows.splitlines() if line.split()[:1] == ["2"]).split()[3] == "1", broken_rows
     assert "first error:" not in tables[str(tmp_path / "untouched")], "failing tests are not errors"
     assert "no stages/ folder" in tables[str(empty)]
@@ -149,7 +179,10 @@ def test_isolated_grading_scores_each_stage_on_the_reference_before_it(course, t
     # Stage 2 written, stage 1 not: cumulative scoring fails stage 2 (it calls the learner's add),
     # isolated scoring runs it on the reference stage 1 and credits it.
     half = tmp_path / "half"
-    assert tool("make_skeleton.py", "--solutions", str(course / "solutions"), "--stages", str(half / "stages")).returncode == 0
+    assert (
+        tool("make_skeleton.py", "--solutions", str(course / "solutions"), "--stages", str(half / "stages")).returncode
+        == 0
+    )
     shutil.copy(course / "solutions" / "s02_mul" / "__init__.py", half / "stages" / "s02_mul" / "__init__.py")
     reports = tmp_path / "reports"
 

@@ -10,6 +10,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_stages_is_in_sync_with_solutions():
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "make_skeleton.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "make_skeleton.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, f"stages/ is out of sync with solutions/:\n{done.stdout}{done.stderr}"

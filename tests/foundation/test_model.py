@@ -53,19 +53,40 @@ def test_config_reads_each_family_switch(tiny_models_root):
 
 
 def test_config_reads_hub_style_rope_keys():
-    raw = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    raw = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     config = ModelConfig.from_dict(raw)
     assert config.rope_theta == 500000.0 and config.rope_scaling["factor"] == 8.0
     assert config.num_key_value_heads == 2 and config.head_dim == 4
 
 
 def test_kv_bytes_per_token_formula():
-    raw = {"model_type": "qwen3", "vocab_size": 10, "hidden_size": 1024, "intermediate_size": 16,
-           "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-           "rms_norm_eps": 1e-6}
+    raw = {
+        "model_type": "qwen3",
+        "vocab_size": 10,
+        "hidden_size": 1024,
+        "intermediate_size": 16,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+    }
     # Qwen3-0.6B: 2 (K and V) x 28 layers x 8 KV heads x 128 dims x 2 bytes = 112 KiB per token.
     assert ModelConfig.from_dict(raw).kv_bytes_per_token(torch.bfloat16) == 2 * 28 * 8 * 128 * 2
 

@@ -9,7 +9,7 @@ from tiny_models import BOS_ID, EOS_ID
 def test_chat_prompt_uses_the_template(tiny_models_root):
     tok = engine_tokenizer(str(tiny_models_root / "llama"))
     ids = tok.encode_prompt("hi")
-    assert ids[0] == BOS_ID and ids[-len(b"assistant\n"):] == list(b"assistant\n")
+    assert ids[0] == BOS_ID and ids[-len(b"assistant\n") :] == list(b"assistant\n")
     assert tok.encode_prompt([{"role": "user", "content": "hi"}]) == ids
     assert tok.eos_token_ids == [EOS_ID]
 

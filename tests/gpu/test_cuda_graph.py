@@ -20,17 +20,17 @@ from s00_foundation.loader import load_model
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
-from s04_paged_kv_pool.model_runner import ModelRunner as EagerRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
 from s08_cuda_graph.decode_attention import flash_attn_with_kvcache
-from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
+from s08_cuda_graph.model_runner import GraphModelRunner
 
 QUESTION = "What is the capital of France?"
 
 
 def runner_pair(model, attention_backend: str = "torch", page_size: int = 1, max_bs: int = 8):
-    shape = dict(pool_size=2048, page_size=page_size, max_running_requests=16, max_context_len=512)
-    graph = GraphRunner(model, attention_backend=attention_backend, cuda_graph_max_bs=max_bs, **shape)
-    return graph, EagerRunner(model, attention_backend=attention_backend, **shape)
+    shape = (2048, page_size, 16, 512)  # pool_size, page_size, max_running_requests, max_context_len
+    graph = GraphModelRunner(model, *shape, attention_backend, cuda_graph_max_bs=max_bs)
+    return graph, ModelRunner(model, *shape, attention_backend)
 
 
 def drive(runner, prompts, sizes, tokens_from=None):
@@ -62,26 +62,34 @@ def test_graph_replay_equals_eager_in_float32(cuda_device, tiny_model_dir):
     expected = drive(eager, prompts, DECODE_SIZES)
     got = drive(graph, prompts, DECODE_SIZES, tokens_from=expected)
     assert graph.cuda_graph_runner.graphs, "no CUDA graph was captured on a CUDA device"
-    assert graph.forward_paths["graph"] == len(DECODE_SIZES), f"every decode should replay a graph: {dict(graph.forward_paths)}"
+    assert graph.forward_paths["graph"] == len(DECODE_SIZES), (
+        f"every decode should replay a graph: {dict(graph.forward_paths)}"
+    )
     for step, (a, b) in enumerate(zip(got, expected)):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-3), (
             f"{tiny_model_dir.name}, pass {step}: replayed logits differ from eager by {(a - b).abs().max().item():.3g}"
         )
-        assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), f"{tiny_model_dir.name}, pass {step}: greedy tokens differ"
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), (
+            f"{tiny_model_dir.name}, pass {step}: greedy tokens differ"
+        )
 
 
 def test_graph_replay_equals_eager_in_bfloat16(cuda_device, default_model_dir):
     model = load_model(default_model_dir, device=cuda_device)  # CUDA default: bfloat16
     assert model.dtype == torch.bfloat16
     tok = engine_tokenizer(str(default_model_dir))
-    prompts = [tok.encode_prompt(q) for q in (QUESTION, "Name a colour.", "What is 2+2?", "Say hello.", "Count to three.")]
+    prompts = [
+        tok.encode_prompt(q) for q in (QUESTION, "Name a colour.", "What is 2+2?", "Say hello.", "Count to three.")
+    ]
     graph, eager = runner_pair(model)
     expected = drive(eager, prompts, DECODE_SIZES)
     got = drive(graph, prompts, DECODE_SIZES, tokens_from=expected)
     assert graph.cuda_graph_runner.graphs, "no CUDA graph was captured on a CUDA device"
     for step, (a, b) in enumerate(zip(got, expected)):
         # bfloat16: a batched kernel rounds differently from per-request ones; logits stay close.
-        assert torch.allclose(a, b, rtol=0.05, atol=1.5), f"pass {step}: bf16 replayed logits differ from eager by {(a - b).abs().max().item():.3g}"
+        assert torch.allclose(a, b, rtol=0.05, atol=1.5), (
+            f"pass {step}: bf16 replayed logits differ from eager by {(a - b).abs().max().item():.3g}"
+        )
         same = sum(x == y for x, y in zip(a.argmax(-1).tolist(), b.argmax(-1).tolist()))
         assert same >= len(a) - 1, f"pass {step}: greedy tokens differ for {len(a) - same} of {len(a)} requests"
 
@@ -129,7 +137,9 @@ def test_flash_graph_backend_equals_torch_graph_backend(cuda_device, default_mod
     assert flash_graph.attention_backend_name == "flash-attn"
     assert flash_graph.forward_paths["graph"] == len(sizes)
     for step, (a, b) in enumerate(zip(got, expected)):
-        assert torch.allclose(a, b, rtol=0.05, atol=1.5), f"page_size {page_size}, pass {step}: flash vs torch logits differ by {(a - b).abs().max().item():.3g}"
+        assert torch.allclose(a, b, rtol=0.05, atol=1.5), (
+            f"page_size {page_size}, pass {step}: flash vs torch logits differ by {(a - b).abs().max().item():.3g}"
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -143,9 +153,16 @@ def hf_bf16_greedy(path, prompt, max_new_tokens: int, device) -> list[int]:
     model = hf_bf16(str(path), str(device))
     ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def stage_output(stage: int, model, tok, prompt_ids: list[int], n: int) -> list[int]:
@@ -175,7 +192,9 @@ def test_every_stage_runs_on_cuda_in_bfloat16(cuda_device, default_model_dir, st
     assert "Paris" in tok.decode(got), f"stage {stage} on CUDA (bf16) answered {tok.decode(got)!r}"
     # transformers in bf16 on the same GPU: a confident answer's first tokens agree despite rounding.
     expected = hf_bf16_greedy(default_model_dir, prompt, 16, cuda_device)
-    assert_same_tokens(got[:4], expected[:4], f"stage {stage} on CUDA (bf16) vs transformers (bf16), first 4 tokens", tok)
+    assert_same_tokens(
+        got[:4], expected[:4], f"stage {stage} on CUDA (bf16) vs transformers (bf16), first 4 tokens", tok
+    )
 
 
 def test_stage8_engine_on_cuda_float32_equals_transformers(cuda_device, tiny_model_dir):
@@ -195,12 +214,22 @@ def test_every_bucket_is_captured_at_start_and_serving_only_replays(cuda_device,
     from s08_cuda_graph.engine import Engine
 
     model = load_model(tiny_model_dir, device=cuda_device, dtype=torch.float32)
-    engine = Engine(model, engine_tokenizer(str(tiny_model_dir)), pool_size=1024, max_running_requests=8,
-                    cuda_graph_max_bs=8, cuda_graph_max_kv_len=256)
+    engine = Engine(
+        model,
+        engine_tokenizer(str(tiny_model_dir)),
+        pool_size=1024,
+        max_running_requests=8,
+        cuda_graph_max_bs=8,
+        cuda_graph_max_kv_len=256,
+    )
     graphs = engine.runner.cuda_graph_runner
     assert list(graphs.graphs) == graphs.buckets, f"captured {list(graphs.graphs)}, expected every bucket largest first"
     assert graphs.capture_seconds > 0 and graphs.graph_memory_bytes >= 0, graphs.describe()
     captured = {bucket: id(graph) for bucket, graph in graphs.graphs.items()}
-    engine.generate([list(b"Hello, world"), [72], list(b"abc")], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    engine.generate(
+        [list(b"Hello, world"), [72], list(b"abc")], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    )
     assert engine.runner.forward_paths["graph"] > 0
-    assert {bucket: id(graph) for bucket, graph in graphs.graphs.items()} == captured, "a graph was captured while serving"
+    assert {bucket: id(graph) for bucket, graph in graphs.graphs.items()} == captured, (
+        "a graph was captured while serving"
+    )

@@ -43,8 +43,12 @@ def test_flash_attn_backend_matches_torch_backend(cuda_device, default_model_dir
     model = load_model(default_model_dir, device=cuda_device)
     tok = engine_tokenizer(str(default_model_dir))
     prompts = [tok.encode_prompt(q) for q in ("Name a colour.", "What is 2+2? Explain briefly.", "Hi")]
-    torch_out = generate_static_batch(model, prompts, 24, tok.eos_token_ids, page_size=page_size, attention_backend="torch")
-    flash_out = generate_static_batch(model, prompts, 24, tok.eos_token_ids, page_size=page_size, attention_backend="flash")
+    torch_out = generate_static_batch(
+        model, prompts, 24, tok.eos_token_ids, page_size=page_size, attention_backend="torch"
+    )
+    flash_out = generate_static_batch(
+        model, prompts, 24, tok.eos_token_ids, page_size=page_size, attention_backend="flash"
+    )
     # bfloat16 kernels round differently: a near-tie later on may flip one token, and from there
     # the greedy continuations part ways. So only the first tokens must agree.
     for i, (a, b) in enumerate(zip(torch_out, flash_out)):

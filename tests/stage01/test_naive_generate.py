@@ -8,15 +8,23 @@ import torch
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy, hf_last_logits
 from s01_naive_generate.generate import naive_generate, next_token_logits
 
-PROMPTS = {"one token": [72], "short": list(b"Hello, world"), "longer": list(b"The quick brown fox jumps over the lazy dog. " * 3)}
+PROMPTS = {
+    "one token": [72],
+    "short": list(b"Hello, world"),
+    "longer": list(b"The quick brown fox jumps over the lazy dog. " * 3),
+}
 
 
 def test_next_token_logits_match_transformers(tiny_model_dir):
     prompt = PROMPTS["short"]
     got = next_token_logits(engine_model(str(tiny_model_dir)), prompt)
     expected = hf_last_logits(tiny_model_dir, prompt)
-    assert got.shape == expected.shape, f"logits should have shape {tuple(expected.shape)} (one row over the vocabulary), got {tuple(got.shape)}"
-    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4, msg=lambda m: f"logits for the next token differ from transformers: {m}")
+    assert got.shape == expected.shape, (
+        f"logits should have shape {tuple(expected.shape)} (one row over the vocabulary), got {tuple(got.shape)}"
+    )
+    torch.testing.assert_close(
+        got, expected, atol=2e-4, rtol=1e-4, msg=lambda m: f"logits for the next token differ from transformers: {m}"
+    )
 
 
 @pytest.mark.parametrize("name", PROMPTS)

@@ -49,7 +49,9 @@ def expect_stop(req, ids, text, stop_at: int, reason: FinishReason, output_text:
         + ("never" if at is None else f"after token {at} ({shown[at]!r})")
     )
     assert req.finished_reason == reason, f"finished_reason should be {reason}, got {req.finished_reason}"
-    assert req.output_ids == ids[: stop_at + 1], "output_ids should hold every token generated, up to the one that stopped it"
+    assert req.output_ids == ids[: stop_at + 1], (
+        "output_ids should hold every token generated, up to the one that stopped it"
+    )
     assert req.output_text == output_text, f"output_text should be {output_text!r}, got {req.output_text!r}"
 
 
@@ -84,13 +86,22 @@ def test_eos_finishes_with_stop_and_is_not_in_the_text(tokenizer):
 
 def test_ignore_eos_goes_past_eos(tokenizer):
     ids = utf8("hi") + [EOS] + utf8("abc")
-    expect_stop(make_req(tokenizer, ignore_eos=True, max_new_tokens=6), ids, "hi<eos>abc", 5, FinishReason("length"), "hiabc")
+    expect_stop(
+        make_req(tokenizer, ignore_eos=True, max_new_tokens=6), ids, "hi<eos>abc", 5, FinishReason("length"), "hiabc"
+    )
 
 
 def test_stop_token_ids_stop_even_with_ignore_eos(tokenizer):
     ids = utf8("one, two")
     comma = ord(",")
-    expect_stop(make_req(tokenizer, stop_token_ids=[comma], ignore_eos=True), ids, "one, two", 3, FinishReason("stop", comma), "one")
+    expect_stop(
+        make_req(tokenizer, stop_token_ids=[comma], ignore_eos=True),
+        ids,
+        "one, two",
+        3,
+        FinishReason("stop", comma),
+        "one",
+    )
 
 
 def test_stop_beats_length_on_the_same_token(tokenizer):
@@ -107,7 +118,9 @@ def test_stop_string_spanning_tokens_stops_and_is_trimmed(tokenizer):
     text = "The answer is 42.\nEND of story"
     ids = utf8(text)
     stop_at = text.index("\nEND") + len("\nEND") - 1
-    expect_stop(make_req(tokenizer, stop=["\nEND"]), ids, text, stop_at, FinishReason("stop", "\nEND"), "The answer is 42.")
+    expect_stop(
+        make_req(tokenizer, stop=["\nEND"]), ids, text, stop_at, FinishReason("stop", "\nEND"), "The answer is 42."
+    )
 
 
 def test_stop_string_with_multibyte_characters(tokenizer):
@@ -145,7 +158,13 @@ def test_text_without_a_stop_keeps_multibyte_characters_whole(tokenizer):
     [
         ("hello world", 2, ["world"], (6, "world"), "'ld' completes 'world', which began in earlier text"),
         ("abc STOP xyz", 3, ["STOP"], None, "'STOP' was complete before the new text 'xyz': it is not a new match"),
-        ("a b c xyz", 1, ["xyz", "b c", "c xyz"], (4, "c xyz"), "of the matches the new 'z' completes, 'c xyz' starts first"),
+        (
+            "a b c xyz",
+            1,
+            ["xyz", "b c", "c xyz"],
+            (4, "c xyz"),
+            "of the matches the new 'z' completes, 'c xyz' starts first",
+        ),
         ("no stop here", 4, ["zzz"], None, "no stop string at all"),
         ("ends END", 0, ["END"], None, "no new text (a token that completed no character yet)"),
         ("x", 1, [], None, "no stop strings"),
@@ -153,7 +172,9 @@ def test_text_without_a_stop_keeps_multibyte_characters_whole(tokenizer):
 )
 def test_find_stop_str_searches_what_the_new_text_completed(text, new_len, stops, expected, why):
     got = find_stop_str(text, new_len, stops)
-    assert got == expected, f"find_stop_str({text!r}, new_len={new_len}, {stops}) returned {got!r}, expected {expected!r}: {why}"
+    assert got == expected, (
+        f"find_stop_str({text!r}, new_len={new_len}, {stops}) returned {got!r}, expected {expected!r}: {why}"
+    )
 
 
 class CountingTokenizer:
@@ -169,7 +190,12 @@ class CountingTokenizer:
 
 def test_stop_string_check_only_decodes_the_new_tail(tokenizer):
     counting = CountingTokenizer(tokenizer)
-    req = Req(rid=1, origin_input_ids=[72], sampling_params=SamplingParams(stop="never", max_new_tokens=1000), tokenizer=counting)
+    req = Req(
+        rid=1,
+        origin_input_ids=[72],
+        sampling_params=SamplingParams(stop="never", max_new_tokens=1000),
+        tokenizer=counting,
+    )
     feed(req, utf8("lorem ipsum dolor sit amet, 你好 " * 12))
     biggest = max(counting.sizes)
     assert biggest <= 16, (

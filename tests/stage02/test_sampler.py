@@ -95,15 +95,19 @@ def test_greedy_rows_stay_exact_in_a_mixed_batch():
 def empty_filters(logits_row: torch.Tensor, params: SamplingParams) -> str:
     """Why a sampled row may have had nothing to draw from: the filters that dropped its most likely token."""
     probs = torch.softmax(logits_row / params.temperature, dim=-1)[None]
-    masks = {"top_k_mask": lambda: top_k_mask(probs, torch.tensor([params.top_k])),
-             "top_p_mask": lambda: top_p_mask(probs, torch.tensor([params.top_p])),
-             "min_p_mask": lambda: min_p_mask(probs, torch.tensor([params.min_p]))}
+    masks = {
+        "top_k_mask": lambda: top_k_mask(probs, torch.tensor([params.top_k])),
+        "top_p_mask": lambda: top_p_mask(probs, torch.tensor([params.top_p])),
+        "min_p_mask": lambda: min_p_mask(probs, torch.tensor([params.min_p])),
+    }
     dropped = [name for name, mask in masks.items() if not bool(mask()[0, int(probs.argmax())])]
     if not dropped:
         return ""
-    return (f": {', '.join(dropped)} dropped the most likely token, so the kept set may be empty. Every filter keeps "
-            "at least the most likely token (top-p: a token stays when the tokens MORE likely than it hold less than "
-            "top_p; min-p: relative to the most likely token's probability)")
+    return (
+        f": {', '.join(dropped)} dropped the most likely token, so the kept set may be empty. Every filter keeps "
+        "at least the most likely token (top-p: a token stays when the tokens MORE likely than it hold less than "
+        "top_p; min-p: relative to the most likely token's probability)"
+    )
 
 
 # --- the sampled distribution -----------------------------------------------------------------
@@ -186,7 +190,7 @@ def logits_stream(steps: int, batch: int, vocab: int = 50, seed: int = 0) -> lis
 
 def run(reqs: list[Req], stream: list[torch.Tensor]) -> list[list[int]]:
     """Sample every step; returns the token sequence of each request."""
-    out = [[] for _ in reqs]
+    out: list[list[int]] = [[] for _ in reqs]
     for logits in stream:
         for i, token in enumerate(sample_tokens(logits, reqs)):
             out[i].append(token)
@@ -236,7 +240,8 @@ def test_unseeded_request_records_a_seed_that_reproduces_it():
     stream = logits_stream(20, 1, seed=4)
     first, second = make_reqs([SamplingParams(), SamplingParams()])
     assert isinstance(first.seed, int) and first.seed != second.seed, (
-        f"requests without a seed should each draw a fresh one and record it in req.seed; got {first.seed!r} and {second.seed!r}"
+        f"requests without a seed should each draw a fresh one and record it in req.seed; got {first.seed!r} and "
+        f"{second.seed!r}"
     )
     tokens = run([first], stream)[0]
     replay = run(make_reqs([SamplingParams(seed=first.seed)]), stream)[0]

@@ -31,15 +31,20 @@ def in_row1(tokens: set[int]) -> set[int]:
 
 
 def kept(mask: torch.Tensor, name: str, rows: int) -> list[set[int]]:
-    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool, f"{name} should return a bool tensor, got {mask!r}"
-    assert mask.shape == (rows, len(ROW)), f"{name} should return a [B, V] = {[rows, len(ROW)]} mask, got {list(mask.shape)}"
+    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool, (
+        f"{name} should return a bool tensor, got {mask!r}"
+    )
+    assert mask.shape == (rows, len(ROW)), (
+        f"{name} should return a [B, V] = {[rows, len(ROW)]} mask, got {list(mask.shape)}"
+    )
     return [set(torch.nonzero(r).flatten().tolist()) for r in mask]
 
 
 def check(name, got: list[set[int]], expected: list[set[int]], params):
     for row, (g, e) in enumerate(zip(got, expected)):
         assert g == e, (
-            f"{name} with {params[row]} on row {row} (probabilities {[round(x, 3) for x in probs()[row].tolist()]}) should keep "
+            f"{name} with {params[row]} on row {row} (probabilities {[round(x, 3) for x in probs()[row].tolist()]}) "
+            "should keep "
             f"tokens {sorted(e)}, your mask kept {sorted(g)}"
         )
 
@@ -58,7 +63,14 @@ def test_top_k_uses_each_rows_own_k():
     check("top_k_mask", got, [{3}, in_row1({3, 1, 4})], ["top_k=1", "top_k=3"])
 
 
-TOP_P = [(0.3, {3}), (0.5, {3, 1}), (0.75, {3, 1, 4}), (0.9, {3, 1, 4, 2}), (0.99, {0, 1, 2, 3, 4}), (1.0, {0, 1, 2, 3, 4})]
+TOP_P = [
+    (0.3, {3}),
+    (0.5, {3, 1}),
+    (0.75, {3, 1, 4}),
+    (0.9, {3, 1, 4, 2}),
+    (0.99, {0, 1, 2, 3, 4}),
+    (1.0, {0, 1, 2, 3, 4}),
+]
 
 
 @pytest.mark.parametrize("p,expected", TOP_P, ids=[f"p={p}" for p, _ in TOP_P])
@@ -70,7 +82,9 @@ def test_top_p_keeps_smallest_set_reaching_p(p, expected):
 def test_top_p_always_keeps_the_most_likely_token():
     peaked = torch.tensor([[0.01, 0.97, 0.01, 0.01]])
     got = torch.nonzero(top_p_mask(peaked, torch.tensor([0.05]))[0]).flatten().tolist()
-    assert got == [1], f"top_p=0.05 on {peaked[0].tolist()} should keep just the most likely token [1], your mask kept {got}"
+    assert got == [1], (
+        f"top_p=0.05 on {peaked[0].tolist()} should keep just the most likely token [1], your mask kept {got}"
+    )
 
 
 def test_top_p_uses_each_rows_own_p():
@@ -102,7 +116,9 @@ def test_filters_on_a_large_vocabulary():
         k = [7, 100, 1234][row]
         expected_k = set(order[row, :k].tolist())
         got_k = set(torch.nonzero(top_k_mask(p, torch.tensor([7, 100, 1234]))[row]).flatten().tolist())
-        assert got_k == expected_k, f"top_k={k} on a 5000-token row kept {len(got_k)} tokens, expected exactly the {k} most likely"
+        assert got_k == expected_k, (
+            f"top_k={k} on a 5000-token row kept {len(got_k)} tokens, expected exactly the {k} most likely"
+        )
 
         sorted_p = p[row, order[row]]
         mass_before = sorted_p.double().cumsum(0) - sorted_p.double()

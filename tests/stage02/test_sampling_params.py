@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_impossible_value_raises_value_error(field, value, why):
         pytest.fail(f"SamplingParams({field}={value!r}) was accepted, but {why} is impossible: raise ValueError")
 
 
-GOOD = [
+GOOD: list[dict[str, Any]] = [
     dict(temperature=0.0),
     dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05),
     dict(top_k=1),
@@ -69,7 +70,9 @@ GOOD = [
 def test_valid_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
     for field, value in kwargs.items():
-        assert getattr(params, field) == value, f"SamplingParams({kwargs}) changed {field} to {getattr(params, field)!r}"
+        assert getattr(params, field) == value, (
+            f"SamplingParams({kwargs}) changed {field} to {getattr(params, field)!r}"
+        )
 
 
 def test_defaults_and_normalisation():
@@ -82,8 +85,13 @@ def test_defaults_and_normalisation():
 
 @pytest.mark.parametrize(
     "kwargs,greedy",
-    [(dict(temperature=0.0), True), (dict(top_k=1), True), (dict(temperature=0.0, top_p=0.5), True),
-     (dict(temperature=1.0), False), (dict(temperature=0.2, top_k=2), False)],
+    [
+        (dict(temperature=0.0), True),
+        (dict(top_k=1), True),
+        (dict(temperature=0.0, top_p=0.5), True),
+        (dict(temperature=1.0), False),
+        (dict(temperature=0.2, top_k=2), False),
+    ],
 )
 def test_is_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).is_greedy is greedy, f"SamplingParams({kwargs}).is_greedy should be {greedy}"

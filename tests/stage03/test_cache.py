@@ -50,9 +50,15 @@ def test_cached_kv_equal_a_fresh_prefill_of_the_same_tokens(tiny_model_dir):
     fresh = KVCache.for_model(model, capacity=64)
     extend(model, [fresh], [PROMPT + generated[:-1]])
     n = fresh.seq_len
-    assert stepped.seq_len == n, f"the decoded cache holds {stepped.seq_len} positions, the prefill of the same tokens {n}"
+    assert stepped.seq_len == n, (
+        f"the decoded cache holds {stepped.seq_len} positions, the prefill of the same tokens {n}"
+    )
     close(stepped.k[:, :n], fresh.k[:, :n], f"{tiny_model_dir.name}: keys stored while decoding vs keys of one prefill")
-    close(stepped.v[:, :n], fresh.v[:, :n], f"{tiny_model_dir.name}: values stored while decoding vs values of one prefill")
+    close(
+        stepped.v[:, :n],
+        fresh.v[:, :n],
+        f"{tiny_model_dir.name}: values stored while decoding vs values of one prefill",
+    )
 
 
 @pytest.mark.parametrize("split", [1, 20, len(PROMPT) - 1], ids=lambda s: f"split at {s}")
@@ -62,9 +68,13 @@ def test_prefill_in_two_pieces_gives_the_same_logits_as_in_one(tiny_model_dir, s
     expected = extend(model, [whole], [PROMPT])[0]
     pieces = KVCache.for_model(model, capacity=len(PROMPT))
     extend(model, [pieces], [PROMPT[:split]])
-    assert pieces.seq_len == split, f"after extending an empty cache by {split} tokens it should hold {split}, it holds {pieces.seq_len}"
+    assert pieces.seq_len == split, (
+        f"after extending an empty cache by {split} tokens it should hold {split}, it holds {pieces.seq_len}"
+    )
     got = extend(model, [pieces], [PROMPT[split:]])[0]
-    assert pieces.seq_len == len(PROMPT), f"after both pieces the cache should hold {len(PROMPT)} positions, it holds {pieces.seq_len}"
+    assert pieces.seq_len == len(PROMPT), (
+        f"after both pieces the cache should hold {len(PROMPT)} positions, it holds {pieces.seq_len}"
+    )
     what = f"{tiny_model_dir.name}: prompt of {len(PROMPT)} tokens prefilled as {split} + {len(PROMPT) - split}"
     close(got, expected, f"{what}: logits differ from one prefill")
     close(got, hf_last_logits(tiny_model_dir, PROMPT), f"{what}: logits differ from transformers")
@@ -79,8 +89,13 @@ def test_default_model_prefill_in_two_pieces(default_model_dir):
     pieces = KVCache.for_model(model, capacity=len(prompt))
     extend(model, [pieces], [prompt[:17]])
     got = extend(model, [pieces], [prompt[17:]])[0]
-    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4,
-                               msg=lambda m: f"SmolLM2, 40-token prompt prefilled as 17 + 23: logits differ from one prefill: {m}")
+    torch.testing.assert_close(
+        got,
+        expected,
+        atol=1e-3,
+        rtol=1e-4,
+        msg=lambda m: f"SmolLM2, 40-token prompt prefilled as 17 + 23: logits differ from one prefill: {m}",
+    )
 
 
 def test_extend_runs_several_requests_in_one_ragged_pass(tiny_models_root):
@@ -89,9 +104,13 @@ def test_extend_runs_several_requests_in_one_ragged_pass(tiny_models_root):
     prompts = [PROMPT, [72], list(b"Hello, world")]
     caches = [KVCache.for_model(model, capacity=4) for _ in prompts]
     logits = extend(model, caches, prompts)
-    assert logits.shape[0] == len(prompts), f"extend of {len(prompts)} requests should return one logits row each, got shape {tuple(logits.shape)}"
+    assert logits.shape[0] == len(prompts), (
+        f"extend of {len(prompts)} requests should return one logits row each, got shape {tuple(logits.shape)}"
+    )
     for i, prompt in enumerate(prompts):
-        assert caches[i].seq_len == len(prompt), f"request {i}: its cache should hold {len(prompt)} positions, it holds {caches[i].seq_len}"
+        assert caches[i].seq_len == len(prompt), (
+            f"request {i}: its cache should hold {len(prompt)} positions, it holds {caches[i].seq_len}"
+        )
         close(logits[i], hf_last_logits(path, prompt), f"request {i} ({len(prompt)} tokens) of a batch of 3")
 
 
@@ -100,13 +119,20 @@ def test_reserve_doubles_and_keeps_what_is_stored():
     stored = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 3, 1, 2)
     cache.k[:, :3], cache.v[:, :3], cache.seq_len = stored, -stored, 3
     cache.reserve(3)
-    assert cache.capacity == 3, f"reserve(3) on a cache of capacity 3 should not grow it, capacity is now {cache.capacity}"
+    assert cache.capacity == 3, (
+        f"reserve(3) on a cache of capacity 3 should not grow it, capacity is now {cache.capacity}"
+    )
     cache.reserve(4)
-    assert cache.capacity == 6, f"reserve(4) on a cache of capacity 3 should double it to 6, capacity is now {cache.capacity}"
+    assert cache.capacity == 6, (
+        f"reserve(4) on a cache of capacity 3 should double it to 6, capacity is now {cache.capacity}"
+    )
     cache.reserve(20)
-    assert cache.capacity == 24, f"reserve(20) on a cache of capacity 6 should double until it fits (12, 24), got {cache.capacity}"
+    assert cache.capacity == 24, (
+        f"reserve(20) on a cache of capacity 6 should double until it fits (12, 24), got {cache.capacity}"
+    )
     assert tuple(cache.k.shape) == (2, 24, 1, 2) and tuple(cache.v.shape) == (2, 24, 1, 2), (
-        f"k and v should both be [layers, capacity, kv_heads, head_dim] = [2, 24, 1, 2], got {list(cache.k.shape)} and {list(cache.v.shape)}"
+        f"k and v should both be [layers, capacity, kv_heads, head_dim] = [2, 24, 1, 2], got {list(cache.k.shape)} "
+        f"and {list(cache.v.shape)}"
     )
     assert cache.seq_len == 3, f"growing must not change seq_len (3), got {cache.seq_len}"
     assert torch.equal(cache.k[:, :3], stored) and torch.equal(cache.v[:, :3], -stored), "growing lost the stored K/V"

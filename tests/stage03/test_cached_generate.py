@@ -8,7 +8,11 @@ from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_gre
 from s01_naive_generate.generate import naive_generate
 from s03_kv_cache.generate import cached_generate
 
-PROMPTS = {"one token": [72], "short": list(b"Hello, world"), "longer": list(b"The quick brown fox jumps over the lazy dog. " * 3)}
+PROMPTS = {
+    "one token": [72],
+    "short": list(b"Hello, world"),
+    "longer": list(b"The quick brown fox jumps over the lazy dog. " * 3),
+}
 
 
 @pytest.mark.parametrize("name", PROMPTS)
@@ -43,6 +47,10 @@ def test_default_model_chat_equals_naive_and_transformers(default_model_dir):
     model = engine_model(str(default_model_dir))
     prompt = tok.encode_prompt("What is the capital of France?")
     got = cached_generate(model, prompt, 16, tok.eos_token_ids)
-    assert_same_tokens(got, hf_greedy(default_model_dir, prompt, 16, tok.eos_token_ids), "SmolLM2 chat prompt, vs transformers", tok)
-    assert_same_tokens(got, naive_generate(model, prompt, 16, tok.eos_token_ids), "SmolLM2 chat prompt, vs stage 1", tok)
+    assert_same_tokens(
+        got, hf_greedy(default_model_dir, prompt, 16, tok.eos_token_ids), "SmolLM2 chat prompt, vs transformers", tok
+    )
+    assert_same_tokens(
+        got, naive_generate(model, prompt, 16, tok.eos_token_ids), "SmolLM2 chat prompt, vs stage 1", tok
+    )
     assert "Paris" in tok.decode(got)

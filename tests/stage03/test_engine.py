@@ -16,28 +16,43 @@ PROMPTS = [list(b"Hello, world"), [72], list(b"The quick brown fox jumps over th
 def test_forward_step_keeps_req_lengths_and_cache_in_step(tiny_models_root):
     path = tiny_models_root / "qwen3"
     model = engine_model(str(path))
-    reqs = [Req(rid=i, origin_input_ids=p, sampling_params=SamplingParams(temperature=0, max_new_tokens=6), eos_token_ids=[])
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Req(
+            rid=i, origin_input_ids=p, sampling_params=SamplingParams(temperature=0, max_new_tokens=6), eos_token_ids=[]
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     caches = [KVCache.for_model(model, capacity=4) for _ in reqs]
     for step in range(6):
         forward_step(model, reqs, caches)
         for req, cache in zip(reqs, caches):
             where = f"request {req.rid} (prompt of {len(req.origin_input_ids)} tokens) after step {step}"
-            assert len(req.output_ids) == step + 1, f"{where}: should have {step + 1} output tokens, has {len(req.output_ids)}"
-            assert req.cached_len == len(req.fill_ids) - 1, (
-                f"{where}: cached_len should be {len(req.fill_ids) - 1} (every token but the newest), got {req.cached_len}"
+            assert len(req.output_ids) == step + 1, (
+                f"{where}: should have {step + 1} output tokens, has {len(req.output_ids)}"
             )
-            assert req.device_len == len(req.fill_ids), f"{where}: device_len should be {len(req.fill_ids)}, got {req.device_len}"
-            assert cache.seq_len == req.cached_len, f"{where}: the cache holds {cache.seq_len} positions but cached_len is {req.cached_len}"
+            assert req.cached_len == len(req.fill_ids) - 1, (
+                f"{where}: cached_len should be {len(req.fill_ids) - 1} (every token but the newest), got "
+                f"{req.cached_len}"
+            )
+            assert req.device_len == len(req.fill_ids), (
+                f"{where}: device_len should be {len(req.fill_ids)}, got {req.device_len}"
+            )
+            assert cache.seq_len == req.cached_len, (
+                f"{where}: the cache holds {cache.seq_len} positions but cached_len is {req.cached_len}"
+            )
     for req in reqs:
-        assert req.finished and req.finished_reason.type == "length", f"request {req.rid} should end with 'length', got {req.finished_reason}"
+        assert req.finished and req.finished_reason.type == "length", (
+            f"request {req.rid} should end with 'length', got {req.finished_reason}"
+        )
         assert_same_tokens(req.output_ids, hf_greedy(path, req.origin_input_ids, 6), f"request {req.rid}")
 
 
 def test_greedy_generate_matches_transformers(tiny_models_root):
     path = tiny_models_root / "llama"
     tok = engine_tokenizer(str(path))
-    outputs = generate(engine_model(str(path)), tok, PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+    outputs = generate(
+        engine_model(str(path)), tok, PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    )
     for i, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
         assert_same_tokens(out.output_ids, hf_greedy(path, prompt, 10), f"request {i}", tok)
         assert out.finish_reason.type == "length" and out.prompt_tokens == len(prompt), f"request {i}: {out}"
@@ -57,5 +72,7 @@ def test_seeded_sampling_equals_stage2(tiny_models_root):
     got = generate(model, tok, PROMPTS, params)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert_same_tokens(g.output_ids, e.output_ids, f"request {i} ({params[i]}), vs stage 2", tok)
-        assert g.finish_reason == e.finish_reason, f"request {i}: finish reason {g.finish_reason}, stage 2 says {e.finish_reason}"
+        assert g.finish_reason == e.finish_reason, (
+            f"request {i}: finish reason {g.finish_reason}, stage 2 says {e.finish_reason}"
+        )
         assert g.text == e.text, f"request {i}: text {g.text!r}, stage 2 says {e.text!r}"

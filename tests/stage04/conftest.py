@@ -21,13 +21,17 @@ def check_static_batch(engine: StaticBatchEngine, where: str) -> None:
         legend = ", ".join(f"owner {i} = request {req.rid}" for i, req in enumerate(running)) or "no request runs"
         problems.append(f"{error} ({legend})")
         if "leaked" in str(error):
-            problems.append("a running request owns the slots of its table row up to cached_len (after each pass "
-                            "cached_len = device_len); a finished request gives them back: release() frees them "
-                            "(allocator.free) as well as the row itself")
+            problems.append(
+                "a running request owns the slots of its table row up to cached_len (after each pass "
+                "cached_len = device_len); a finished request gives them back: release() frees them "
+                "(allocator.free) as well as the row itself"
+            )
     held = sorted(req.req_pool_idx for req in running)
     if sorted(held + list(rows.free_slots)) != list(range(rows.size)):
-        problems.append(f"table rows: running requests hold {held}, free rows are {sorted(rows.free_slots)}; together "
-                        f"they should be 0..{rows.size - 1}, each once (release() frees a finished request's row, once)")
+        problems.append(
+            f"table rows: running requests hold {held}, free rows are {sorted(rows.free_slots)}; together "
+            f"they should be 0..{rows.size - 1}, each once (release() frees a finished request's row, once)"
+        )
     if problems:
         raise AssertionError(f"{where}: the pool's bookkeeping is broken:\n  " + "\n  ".join(problems))
 
@@ -41,7 +45,9 @@ def invariants_after_every_step(monkeypatch):
     def checked_step(self):
         finished = real_step(self)
         steps[id(self)] = steps.get(id(self), 0) + 1
-        check_static_batch(self, f"static batch, after step {steps[id(self)]} (finished: {[req.rid for req in finished]})")
+        check_static_batch(
+            self, f"static batch, after step {steps[id(self)]} (finished: {[req.rid for req in finished]})"
+        )
         return finished
 
     monkeypatch.setattr(StaticBatchEngine, "step", checked_step)

@@ -33,8 +33,10 @@ def refused(free, slots, what):
     except ValueError as error:
         assert "free" in str(error), f"{what}: the ValueError should say what could not be freed, got: {error}"
     else:
-        pytest.fail(f"{what} was accepted: free() must refuse pages that are not allocated (a double free, or slots "
-                    "never handed out) with a ValueError, before changing anything")
+        pytest.fail(
+            f"{what} was accepted: free() must refuse pages that are not allocated (a double free, or slots "
+            "never handed out) with a ValueError, before changing anything"
+        )
 
 
 class Request:
@@ -47,7 +49,9 @@ class Request:
         prefix = len(self.slots)
         last = self.slots[-1] if self.slots else -1
         new = allocator.alloc_extend([prefix], [prefix + n], [last])
-        assert isinstance(new, torch.Tensor) and new.dtype == torch.int64, f"alloc_extend should return an int64 tensor, got {new!r}"
+        assert isinstance(new, torch.Tensor) and new.dtype == torch.int64, (
+            f"alloc_extend should return an int64 tensor, got {new!r}"
+        )
         assert new.numel() == n, f"growing a request of {prefix} tokens by {n} should give {n} slots, got {new.numel()}"
         self.slots += new.tolist()
         return new
@@ -58,11 +62,16 @@ def test_alloc_hands_out_distinct_slots_and_free_returns_every_page(page_size):
     allocator = TokenToKVPoolAllocator(size=32 * page_size, page_size=page_size)
     lens = [5, 1, 17, 9]
     out = allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
-    assert out.numel() == sum(lens), f"prefills of {lens} tokens need {sum(lens)} slots, alloc_extend returned {out.numel()}"
+    assert out.numel() == sum(lens), (
+        f"prefills of {lens} tokens need {sum(lens)} slots, alloc_extend returned {out.numel()}"
+    )
     slots = out.tolist()
-    assert len(set(slots)) == len(slots), f"a slot was handed out twice: {sorted(s for s in set(slots) if slots.count(s) > 1)}"
+    assert len(set(slots)) == len(slots), (
+        f"a slot was handed out twice: {sorted(s for s in set(slots) if slots.count(s) > 1)}"
+    )
     assert all(page_size <= s < 33 * page_size for s in slots), (
-        f"slots must lie in {page_size}..{33 * page_size - 1} (page 0 is the reserved dummy), got {sorted(slots)[:3]}...{sorted(slots)[-3:]}"
+        f"slots must lie in {page_size}..{33 * page_size - 1} (page 0 is the reserved dummy), got "
+        f"{sorted(slots)[:3]}...{sorted(slots)[-3:]}"
     )
     pages = sum(-(-n // page_size) for n in lens)
     assert allocator.available_size() == (32 - pages) * page_size, (
@@ -94,7 +103,8 @@ def test_a_request_fills_its_last_page_before_taking_a_new_one(page_size):
         for name, req in (("A", a), ("B", b)):
             for j, slot in enumerate(req.slots):
                 assert slot % page_size == j % page_size, (
-                    f"page size {page_size}, request {name}: position {j} should sit at offset {j % page_size} of its page, "
+                    f"page size {page_size}, request {name}: position {j} should sit at offset {j % page_size} of "
+                    "its page, "
                     f"its slot {slot} is at offset {slot % page_size} (slots of {name}: {req.slots})"
                 )
                 page_start = req.slots[j - j % page_size] // page_size
@@ -119,10 +129,14 @@ def test_over_allocation_raises_and_changes_nothing(page_size):
     with pytest.raises(PoolExhaustedError) as error:
         allocator.alloc_extend([0, 0], [1, page_size + 1], [-1, -1])  # needs 3 pages, 1 is free
     message = str(error.value)
-    assert "3" in message and "1" in message, f"the error should say how much was needed and how much is free, got: {message}"
+    assert "3" in message and "1" in message, (
+        f"the error should say how much was needed and how much is free, got: {message}"
+    )
     assert_unchanged(allocator, before, "a failed allocation")
     allocator.free(first)
-    assert allocator.available_size() == 4 * page_size, "after the failed allocation, freeing the first request should empty the pool"
+    assert allocator.available_size() == 4 * page_size, (
+        "after the failed allocation, freeing the first request should empty the pool"
+    )
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -136,7 +150,9 @@ def test_double_free_raises_and_changes_nothing(page_size):
     assert_unchanged(allocator, before, "a refused double free")
     # half valid (A's pages come first), half already free: nothing may be freed
     refused(allocator.free, torch.cat([a, b]), "freeing A's slots together with B's already freed ones (a double free)")
-    assert_unchanged(allocator, before, "a refused free of partly allocated slots (check every page before freeing any)")
+    assert_unchanged(
+        allocator, before, "a refused free of partly allocated slots (check every page before freeing any)"
+    )
     allocator.free(a)
     allocator.check_invariants(owners=[])
 
@@ -145,9 +161,15 @@ def test_double_free_raises_and_changes_nothing(page_size):
 def test_freeing_slots_never_allocated_raises(page_size):
     allocator = TokenToKVPoolAllocator(size=8 * page_size, page_size=page_size)
     owned = allocator.alloc_extend([0], [2], [-1])
-    never = next(s for s in range(page_size, 9 * page_size) if s // page_size not in {o // page_size for o in owned.tolist()})
+    never = next(
+        s for s in range(page_size, 9 * page_size) if s // page_size not in {o // page_size for o in owned.tolist()}
+    )
     before = snapshot(allocator)
-    for bad, what in ((never, "a slot never handed out"), (0, "the dummy slot 0"), (9 * page_size, "a slot past the end")):
+    for bad, what in (
+        (never, "a slot never handed out"),
+        (0, "the dummy slot 0"),
+        (9 * page_size, "a slot past the end"),
+    ):
         refused(allocator.free, torch.tensor([bad]), f"freeing {what} (slot {bad}, page size {page_size})")
         assert_unchanged(allocator, before, f"a refused free of slot {bad}")
 
@@ -194,4 +216,6 @@ def test_random_alloc_and_free_keep_every_invariant(page_size, ops):
         allocator.check_invariants([torch.tensor(r.slots, dtype=torch.int64) for r in live])
     for req in live:
         allocator.free(torch.tensor(req.slots))
-    assert allocator.available_size() == num_pages * page_size, "after freeing every request the whole pool should be free"
+    assert allocator.available_size() == num_pages * page_size, (
+        "after freeing every request the whole pool should be free"
+    )

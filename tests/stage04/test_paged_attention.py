@@ -21,7 +21,9 @@ C = list(b"Paged attention!")
 
 
 def req(rid, ids):
-    return Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams(temperature=0, max_new_tokens=4), eos_token_ids=[])
+    return Req(
+        rid=rid, origin_input_ids=ids, sampling_params=SamplingParams(temperature=0, max_new_tokens=4), eos_token_ids=[]
+    )
 
 
 def run(engine, reqs):
@@ -54,8 +56,13 @@ def test_one_batch_mixing_prefill_extend_and_decode(tiny_model_dir, page_size):
     cases = [("A: extend after a cached prefix of 13", A), ("B: decode", B + [ord("!")]), ("C: prefill", C)]
     for row, (what, sequence) in enumerate(cases):
         torch.testing.assert_close(
-            logits[row], hf_last_logits(tiny_model_dir, sequence), atol=2e-4, rtol=1e-4,
-            msg=lambda m: f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}",
+            logits[row],
+            hf_last_logits(tiny_model_dir, sequence),
+            atol=2e-4,
+            rtol=1e-4,
+            msg=lambda m, what=what: (
+                f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}"
+            ),
         )
     table = engine.runner.req_to_token_pool.req_to_token
     owners = [table[r.req_pool_idx, : r.cached_len] for r in (a, b, c)]

@@ -21,7 +21,12 @@ PROMPTS = [list(b"Hello, world"), [72], list(b"The quick brown fox jumps over th
 def greedy_reqs(prompts, max_new_tokens, eos=()):
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
     return [
-        Req(rid=i, origin_input_ids=p, sampling_params=SamplingParams(temperature=0, max_new_tokens=n), eos_token_ids=eos)
+        Req(
+            rid=i,
+            origin_input_ids=p,
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=n),
+            eos_token_ids=eos,
+        )
         for i, (p, n) in enumerate(zip(prompts, limits))
     ]
 
@@ -38,9 +43,14 @@ def test_single_request_equals_stage3_and_transformers(tiny_model_dir, prompt):
 def test_static_batch_of_mixed_prompt_lengths(tiny_model_dir):
     got = generate_static_batch(engine_model(str(tiny_model_dir)), PROMPTS, 12)
     for i, prompt in enumerate(PROMPTS):
-        assert_same_tokens(got[i], hf_greedy(tiny_model_dir, prompt, 12),
-                           f"{tiny_model_dir.name}, request {i} ({len(prompt)}-token prompt) of a batch of {len(PROMPTS)}")
-        assert len(got[i]) == 12, f"request {i}: with no EOS ids it must run to max_new_tokens=12, got {len(got[i])} tokens"
+        assert_same_tokens(
+            got[i],
+            hf_greedy(tiny_model_dir, prompt, 12),
+            f"{tiny_model_dir.name}, request {i} ({len(prompt)}-token prompt) of a batch of {len(PROMPTS)}",
+        )
+        assert len(got[i]) == 12, (
+            f"request {i}: with no EOS ids it must run to max_new_tokens=12, got {len(got[i])} tokens"
+        )
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -92,11 +102,16 @@ def test_requests_finish_at_different_steps_and_free_their_slots(tiny_models_roo
             engine.runner.allocator.check_invariants(held)  # finished requests own nothing any more
             pages = sum(-(-r.cached_len // 4) for r in engine.running)
             assert engine.runner.allocator.available_size() == (64 - pages) * 4, (
-                f"step {step}: the running requests hold {pages} pages of 4, so {(64 - pages) * 4} slots should be free, "
+                f"step {step}: the running requests hold {pages} pages of 4, so {(64 - pages) * 4} slots should be "
+                "free, "
                 f"{engine.runner.allocator.available_size()} are (finished requests must free their slots at once)"
             )
     for r in reqs:
-        assert_same_tokens(r.output_ids, hf_greedy(path, r.origin_input_ids, r.sampling_params.max_new_tokens, [eos]), f"request {r.rid}")
+        assert_same_tokens(
+            r.output_ids,
+            hf_greedy(path, r.origin_input_ids, r.sampling_params.max_new_tokens, [eos]),
+            f"request {r.rid}",
+        )
     assert engine.runner.allocator.available_size() == 4 * 64, "after the batch every slot should be free"
     assert engine.runner.req_to_token_pool.available_size() == 4, "after the batch every request row should be free"
 
@@ -109,14 +124,17 @@ def test_pool_too_small_fails_before_any_model_work(tiny_models_root, page_size)
     exact = PassRecorder(engine_model(str(path)))
     got = generate_static_batch(exact, prompts, n, pool_size=need, page_size=page_size)
     for i, p in enumerate(prompts):
-        assert_same_tokens(got[i], hf_greedy(path, p, n), f"pool of exactly {need} slots (page size {page_size}), request {i}")
+        assert_same_tokens(
+            got[i], hf_greedy(path, p, n), f"pool of exactly {need} slots (page size {page_size}), request {i}"
+        )
     spy = PassRecorder(engine_model(str(path)))
     engine = StaticBatchEngine(spy, pool_size=need - page_size, page_size=page_size, max_running_requests=4)
     with pytest.raises(PoolExhaustedError) as error:
         engine.run(greedy_reqs(prompts, n))
     message = str(error.value)
     assert str(need) in message and str(need - page_size) in message, (
-        f"the error should say how many slots the batch needs ({need}) and how many the pool has ({need - page_size}); got: {message}"
+        f"the error should say how many slots the batch needs ({need}) and how many the pool has "
+        f"({need - page_size}); got: {message}"
     )
     assert spy.passes == [], f"the engine ran {len(spy.passes)} forward passes before refusing; it must check first"
     assert engine.runner.allocator.available_size() == need - page_size, "a refused batch must not hold any slot"
@@ -136,7 +154,9 @@ def test_seeded_sampling_per_request_equals_stage3(tiny_models_root):
     expected = stage3_generate(model, tok, prompts, params)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert_same_tokens(g.output_ids, e.output_ids, f"request {i} ({params[i]}), vs stage 3", tok)
-        assert g.finish_reason == e.finish_reason, f"request {i}: finish reason {g.finish_reason}, stage 3 says {e.finish_reason}"
+        assert g.finish_reason == e.finish_reason, (
+            f"request {i}: finish reason {g.finish_reason}, stage 3 says {e.finish_reason}"
+        )
 
 
 def test_default_model_static_batch_equals_transformers(default_model_dir):
@@ -145,5 +165,9 @@ def test_default_model_static_batch_equals_transformers(default_model_dir):
     prompts = [tok.encode_prompt(q) for q in ("What is the capital of France?", "Hi!")]
     got = generate_static_batch(engine_model(str(default_model_dir)), prompts, 16, tok.eos_token_ids, page_size=4)
     for i, prompt in enumerate(prompts):
-        assert_same_tokens(got[i], hf_greedy(default_model_dir, prompt, 16, tok.eos_token_ids),
-                           f"SmolLM2, request {i} of a static batch of {len(prompts)}", tok)
+        assert_same_tokens(
+            got[i],
+            hf_greedy(default_model_dir, prompt, 16, tok.eos_token_ids),
+            f"SmolLM2, request {i} of a static batch of {len(prompts)}",
+            tok,
+        )

@@ -27,16 +27,18 @@ def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_r
     admitted_order, next_in_line = [], 0
     for trace, (extend_lens, _) in zip(traces, recorder.passes):
         new = trace.prefill_rids
-        assert extend_lens[len(trace.decode_rids):] == [len(prompts[rid]) for rid in new], (
+        assert extend_lens[len(trace.decode_rids) :] == [len(prompts[rid]) for rid in new], (
             f"step {trace.step}: the pass's prefill rows should send the whole prompts of {new} "
-            f"({[len(prompts[rid]) for rid in new]} tokens), they sent {extend_lens[len(trace.decode_rids):]}"
+            f"({[len(prompts[rid]) for rid in new]} tokens), they sent {extend_lens[len(trace.decode_rids) :]}"
         )
         assert len(trace.decode_rids) + len(new) <= rows, (
-            f"step {trace.step}: {len(trace.decode_rids)} running + {len(new)} admitted requests, max_running_requests={rows}"
+            f"step {trace.step}: {len(trace.decode_rids)} running + {len(new)} admitted requests, "
+            f"max_running_requests={rows}"
         )
         tokens = sum(len(prompts[rid]) for rid in new)
         assert tokens <= budget or len(new) == 1, (
-            f"step {trace.step}: admitted {new} with {tokens} prompt tokens in total, over max_prefill_tokens={budget}; "
+            f"step {trace.step}: admitted {new} with {tokens} prompt tokens in total, over "
+            f"max_prefill_tokens={budget}; "
             "only a single request may exceed the budget (as the only prefill of its step)"
         )
         admitted_order += new
@@ -46,7 +48,8 @@ def test_admission_is_fcfs_within_the_prefill_budget_and_row_limit(tiny_models_r
             full = len(trace.decode_rids) + len(new) == rows
             over = tokens + len(prompts[head]) > budget and new
             assert full or over, (
-                f"step {trace.step}: request {head} ({len(prompts[head])} tokens) waited although a row was free and it fit the "
+                f"step {trace.step}: request {head} ({len(prompts[head])} tokens) waited although a row was free and "
+                "it fit the "
                 f"prefill budget ({tokens} of {budget} used by {new}); admit waiting requests while the budgets allow"
             )
     assert admitted_order == list(range(len(prompts))), (
@@ -61,10 +64,13 @@ def test_a_prompt_longer_than_the_prefill_budget_is_the_only_prefill_of_its_step
     engine, recorder, traces = tiny_engine(path, pool_size=512, max_running_requests=4, max_prefill_tokens=32)
     outputs = engine.generate([short, long_prompt, short], [greedy(6), greedy(6), greedy(6)])
     for i, prompt in enumerate([short, long_prompt, short]):
-        assert_same_tokens(outputs[i].output_ids, hf_greedy(path, prompt, 6), f"request {i} ({len(prompt)} tokens), vs transformers")
+        assert_same_tokens(
+            outputs[i].output_ids, hf_greedy(path, prompt, 6), f"request {i} ({len(prompt)} tokens), vs transformers"
+        )
     long_steps = [t for t in traces if 1 in t.prefill_rids]
     assert long_steps and long_steps[0].prefill_rids == [1], (
-        f"the {len(long_prompt)}-token prompt is over max_prefill_tokens=32: it must be admitted as the only prefill of "
+        f"the {len(long_prompt)}-token prompt is over max_prefill_tokens=32: it must be admitted as the only prefill "
+        "of "
         f"its step; steps with it: {[(t.step, t.prefill_rids) for t in long_steps]}"
     )
     assert long_steps[0].decode_rids == [0], (
@@ -84,9 +90,12 @@ def test_outputs_come_back_in_input_order_with_stats(tiny_models_root):
     finish_order = [rid for t in traces for rid in t.finished_rids]
     assert finish_order != sorted(finish_order), f"this workload should finish out of order, finished {finish_order}"
     for i, (prompt, n, out) in enumerate(zip(prompts, limits, outputs)):
-        assert_same_tokens(out.output_ids, hf_greedy(path, prompt, n), f"output {i} (outputs must follow the prompts' order)")
+        assert_same_tokens(
+            out.output_ids, hf_greedy(path, prompt, n), f"output {i} (outputs must follow the prompts' order)"
+        )
         assert (out.prompt_tokens, out.output_tokens) == (len(prompt), n), (
-            f"output {i}: prompt_tokens={out.prompt_tokens}, output_tokens={out.output_tokens}; expected {len(prompt)} and {n}"
+            f"output {i}: prompt_tokens={out.prompt_tokens}, output_tokens={out.output_tokens}; expected "
+            f"{len(prompt)} and {n}"
         )
         assert out.finish_reason.type == "length", f"output {i}: finish reason {out.finish_reason}, expected 'length'"
         assert out.ttft is not None and out.latency is not None and 0 < out.ttft <= out.latency, (
@@ -99,29 +108,46 @@ def test_outputs_come_back_in_input_order_with_stats(tiny_models_root):
     assert_pool_free(engine, "input order")
 
 
-LINE = re.compile(r"prefill\s+(\d+) reqs\s+(\d+) tok \| decode\s+(\d+) \| running\s+(\d+) waiting\s+(\d+) \| free KV\s+(\d+)/(\d+)")
+LINE = re.compile(
+    r"prefill\s+(\d+) reqs\s+(\d+) tok \| decode\s+(\d+) \| running\s+(\d+) waiting\s+(\d+) \| free KV\s+(\d+)/(\d+)"
+)
 
 
 def test_trace_prints_one_line_per_step(tiny_models_root, capsys):
     path = tiny_models_root / "qwen2"
     prompts, limits = workload(6, seed=9, max_prompt=24, max_new=8)
-    engine = Engine(engine_model(str(path)), engine_tokenizer(str(path)), pool_size=256, max_running_requests=3, trace=True)
+    engine = Engine(
+        engine_model(str(path)), engine_tokenizer(str(path)), pool_size=256, max_running_requests=3, trace=True
+    )
     capsys.readouterr()
     engine.generate(prompts, [greedy(n) for n in limits])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     steps = engine.scheduler.stats.steps
-    assert steps > 0 and len(lines) == steps, f"trace=True should print one line per step: {steps} steps, {len(lines)} lines"
+    assert steps > 0 and len(lines) == steps, (
+        f"trace=True should print one line per step: {steps} steps, {len(lines)} lines"
+    )
     parsed = [LINE.search(line) for line in lines]
-    assert all(parsed), f"a trace line should read like 'prefill 2 reqs 87 tok | decode 5 | running 7 waiting 3 | free KV 120/512'; got {lines[0]!r}"
+    assert all(parsed), (
+        "a trace line should read like 'prefill 2 reqs 87 tok | decode 5 | running 7 waiting 3 | free KV 120/512'; "
+        f"got {lines[0]!r}"
+    )
     first = [int(x) for x in parsed[0].groups()]
-    assert first[:3] == [3, sum(len(p) for p in prompts[:3]), 0] and first[3:5] == [3 - sum(n == 1 for n in limits[:3]), 3], (
-        f"the first step admits 3 requests ({sum(len(p) for p in prompts[:3])} prompt tokens), decodes none, and leaves "
+    assert first[:3] == [3, sum(len(p) for p in prompts[:3]), 0] and first[3:5] == [
+        3 - sum(n == 1 for n in limits[:3]),
+        3,
+    ], (
+        f"the first step admits 3 requests ({sum(len(p) for p in prompts[:3])} prompt tokens), decodes none, and "
+        "leaves "
         f"3 waiting; its line was {lines[0]!r}"
     )
     last = [int(x) for x in parsed[-1].groups()]
-    assert last[3:] == [0, 0, 256, 256], f"after the last step nothing runs or waits and all 256 slots are free: {lines[-1]!r}"
+    assert last[3:] == [0, 0, 256, 256], (
+        f"after the last step nothing runs or waits and all 256 slots are free: {lines[-1]!r}"
+    )
     admitted = sum(int(m.group(1)) for m in parsed)
-    assert admitted == len(prompts), f"the lines' prefill counts add up to {admitted} admissions for {len(prompts)} requests"
+    assert admitted == len(prompts), (
+        f"the lines' prefill counts add up to {admitted} admissions for {len(prompts)} requests"
+    )
 
 
 def admit_only_the_first(scheduler, reqs, why: str) -> None:
@@ -170,11 +196,16 @@ def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_mode
     prefix = list(range(40, 56))
     cache = OnePrefixCache(runner.allocator, prefix)
     scheduler = Scheduler(runner, prefix_cache=cache, new_token_ratio=0.0)
-    admit_only_the_first(scheduler, [Req(0, list(b"no match"), greedy(2)), Req(1, prefix + [60 + i % 40 for i in range(60)], greedy(1))], (
-        ": request 1 needs 60 fresh slots and the room is 56 (64 free - 8 kept for request 0). Its own cached prefix "
-        "(16 evictable slots) is not room it could evict for itself: count the room while its match is locked "
-        "(prefix_cache.lock / unlock around the check)"
-    ))
+    admit_only_the_first(
+        scheduler,
+        [Req(0, list(b"no match"), greedy(2)), Req(1, prefix + [60 + i % 40 for i in range(60)], greedy(1))],
+        (
+            ": request 1 needs 60 fresh slots and the room is 56 (64 free - 8 kept for request 0). Its own cached "
+            "prefix "
+            "(16 evictable slots) is not room it could evict for itself: count the room while its match is locked "
+            "(prefix_cache.lock / unlock around the check)"
+        ),
+    )
     assert cache.locks == 0, (
         f"the cached prefix is still locked {cache.locks} time(s), but no admitted request reads it: "
         "undo the lock taken to measure the room (unlock) whether or not the request is admitted"
@@ -188,12 +219,18 @@ def test_a_request_whose_future_does_not_fit_waits_while_another_runs(tiny_model
     model = engine_model(str(tiny_models_root / "llama"))
     runner = ModelRunner(model, pool_size=64, max_running_requests=4, max_context_len=128)
     scheduler = Scheduler(runner, new_token_ratio=1.0)
-    admit_only_the_first(scheduler, [Req(0, list(b"8 tokens"), greedy(8)), Req(1, list(b"x" * 20), greedy(31))], (
-        ". With new_token_ratio=1, request 0 keeps 15 slots (8 for its prompt, 7 for its future tokens), leaving 49 of "
-        "64. Request 1's prefill (20 slots) fits, but with the 30 future tokens it may still generate it needs 50: "
-        "admission must keep room for an admitted request's own future too (need = prefill slots + future_slots(req)), "
-        "or it runs short later"
-    ))
+    admit_only_the_first(
+        scheduler,
+        [Req(0, list(b"8 tokens"), greedy(8)), Req(1, list(b"x" * 20), greedy(31))],
+        (
+            ". With new_token_ratio=1, request 0 keeps 15 slots (8 for its prompt, 7 for its future tokens), leaving "
+            "49 of "
+            "64. Request 1's prefill (20 slots) fits, but with the 30 future tokens it may still generate it needs 50: "
+            "admission must keep room for an admitted request's own future too (need = prefill slots + "
+            "future_slots(req)), "
+            "or it runs short later"
+        ),
+    )
 
 
 def test_with_a_ratio_of_1_nothing_admitted_ever_runs_short(tiny_models_root):
@@ -207,16 +244,25 @@ def test_with_a_ratio_of_1_nothing_admitted_ever_runs_short(tiny_models_root):
         what = f"a {pool}-slot pool in pages of {page_size}, {len(prompts)} requests"
         counts = {}
         for ratio in (0.0, 1.0):
-            engine, _, _ = tiny_engine(path, pool_size=pool, page_size=page_size, max_running_requests=8, new_token_ratio=ratio)
+            engine, _, _ = tiny_engine(
+                path, pool_size=pool, page_size=page_size, max_running_requests=8, new_token_ratio=ratio
+            )
             reqs = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, limits)]
             run_to_end(engine)
             counts[ratio] = engine.scheduler.stats.num_retractions
             for i, (req, prompt, n) in enumerate(zip(reqs, prompts, limits)):
-                assert_same_tokens(req.output_ids, hf_greedy(path, prompt, n), f"{what}, new_token_ratio={ratio}: request {i}, vs transformers")
+                assert_same_tokens(
+                    req.output_ids,
+                    hf_greedy(path, prompt, n),
+                    f"{what}, new_token_ratio={ratio}: request {i}, vs transformers",
+                )
             assert_pool_free(engine, f"{what}, new_token_ratio={ratio}")
-        assert counts[0.0] > 0, f"{what}: at new_token_ratio=0 the running requests must outgrow the pool, yet nothing was retracted"
+        assert counts[0.0] > 0, (
+            f"{what}: at new_token_ratio=0 the running requests must outgrow the pool, yet nothing was retracted"
+        )
         assert counts[1.0] == 0, (
-            f"{what}: with new_token_ratio=1 admission keeps room for every admitted request's remaining tokens, so nothing "
+            f"{what}: with new_token_ratio=1 admission keeps room for every admitted request's remaining tokens, so "
+            "nothing "
             f"admitted can ever run short; yet {counts[1.0]} retraction(s) happened. Admission must count an admitted "
             "request's own future (need = prefill slots + future_slots(req)), not only its prefill"
         )
@@ -236,10 +282,14 @@ def test_a_head_that_does_not_fit_is_not_overtaken(tiny_models_root):
     for k, rid in enumerate(first_admission):
         earlier = [other for other in range(rid) if other not in first_admission[:k]]
         assert not earlier, (
-            f"request {rid} overtook request {earlier[0]}: {earlier[0]} was first in line and did not fit the pool, and a "
-            f"later request was admitted before it (admission order {first_admission}). The first request that does not "
+            f"request {rid} overtook request {earlier[0]}: {earlier[0]} was first in line and did not fit the pool, "
+            "and a "
+            f"later request was admitted before it (admission order {first_admission}). The first request that does "
+            "not "
             "fit stops admission (first come, first served): nobody overtakes it, so nobody starves"
         )
     for i, (req, prompt) in enumerate(zip(reqs, prompts)):
-        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 4), f"request {i} ({len(prompt)}-token prompt), vs transformers")
+        assert_same_tokens(
+            req.output_ids, hf_greedy(path, prompt, 4), f"request {i} ({len(prompt)}-token prompt), vs transformers"
+        )
     assert_pool_free(engine, "a head that does not fit")

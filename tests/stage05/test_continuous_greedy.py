@@ -15,7 +15,9 @@ from s05_continuous_batching.engine import Engine
 
 def test_many_mixed_requests_equal_single_request_and_transformers(tiny_model_dir):
     prompts, limits = workload(18, seed=5)
-    engine, recorder, traces = tiny_engine(tiny_model_dir, pool_size=2048, max_running_requests=6, max_prefill_tokens=64)
+    engine, recorder, traces = tiny_engine(
+        tiny_model_dir, pool_size=2048, max_running_requests=6, max_prefill_tokens=64
+    )
     outputs = engine.generate(prompts, [greedy(n) for n in limits])
     model = engine_model(str(tiny_model_dir))
     for i, (prompt, n, out) in enumerate(zip(prompts, limits, outputs)):
@@ -23,12 +25,15 @@ def test_many_mixed_requests_equal_single_request_and_transformers(tiny_model_di
         assert_same_tokens(out.output_ids, hf_greedy(tiny_model_dir, prompt, n), f"{what}, vs transformers")
         assert_same_tokens(out.output_ids, cached_generate(model, prompt, n), f"{what}, vs stage 3 alone")
     sizes = [len(extend_lens) for extend_lens, _ in recorder.passes]
-    assert max(sizes) > 1, f"every forward pass ran a single request ({len(sizes)} passes): the requests must share passes"
+    assert max(sizes) > 1, (
+        f"every forward pass ran a single request ({len(sizes)} passes): the requests must share passes"
+    )
     assert max(sizes) <= 6, f"a pass ran {max(sizes)} requests, but max_running_requests=6"
     mixed = [e for e, p in recorder.passes if any(x > 1 for x in e) and any(q > 0 and x == 1 for x, q in zip(e, p))]
     assert mixed, (
         "no forward pass mixed a new request's prefill with running requests' decodes: waiting requests must be "
-        f"admitted as soon as there is room, not only when the running batch is empty (passes: {recorder.passes[:8]}...)"
+        "admitted as soon as there is room, not only when the running batch is empty (passes: "
+        f"{recorder.passes[:8]}...)"
     )
     assert_pool_free(engine, tiny_model_dir.name)
 
@@ -36,8 +41,11 @@ def test_many_mixed_requests_equal_single_request_and_transformers(tiny_model_di
 def test_request_added_mid_decode_gets_the_same_tokens(tiny_models_root):
     path = tiny_models_root / "qwen2"
     engine, recorder, traces = tiny_engine(path, pool_size=1024, max_running_requests=8)
-    requests = {"first": (list(b"The first request has a long way to go"), 20),
-                "late-0": (list(b"late"), 9), "late-1": (list(b"a later, longer one!"), 12)}
+    requests = {
+        "first": (list(b"The first request has a long way to go"), 20),
+        "late-0": (list(b"late"), 9),
+        "late-1": (list(b"a later, longer one!"), 12),
+    }
     streamed = {rid: [] for rid in requests}
     finish = {}
 
@@ -66,8 +74,12 @@ def test_request_added_mid_decode_gets_the_same_tokens(tiny_models_root):
         step()
     model = engine_model(str(path))
     for rid, (prompt, n) in requests.items():
-        assert_same_tokens(streamed[rid], cached_generate(model, prompt, n), f"request {rid!r} (streamed by step()), vs alone")
-        assert_same_tokens(streamed[rid], hf_greedy(path, prompt, n), f"request {rid!r} (streamed by step()), vs transformers")
+        assert_same_tokens(
+            streamed[rid], cached_generate(model, prompt, n), f"request {rid!r} (streamed by step()), vs alone"
+        )
+        assert_same_tokens(
+            streamed[rid], hf_greedy(path, prompt, n), f"request {rid!r} (streamed by step()), vs transformers"
+        )
         assert finish.get(rid) is not None and finish[rid].type == "length", (
             f"request {rid!r}: its last step output should carry finish reason 'length', got {finish.get(rid)}"
         )
@@ -83,6 +95,7 @@ def test_default_model_continuous_batch_equals_transformers(default_model_dir):
         expected = hf_greedy(default_model_dir, tok.encode_prompt(question), 12, tok.eos_token_ids)
         assert_same_tokens(out.output_ids, expected, f"SmolLM2, request {i} ({question!r}), two running at a time", tok)
     assert engine.scheduler.stats.peak_running == 2, (
-        f"with max_running_requests=2 and 4 requests, 2 should run together; the peak was {engine.scheduler.stats.peak_running}"
+        "with max_running_requests=2 and 4 requests, 2 should run together; the peak was "
+        f"{engine.scheduler.stats.peak_running}"
     )
     assert_pool_free(engine, "SmolLM2")

@@ -33,7 +33,9 @@ def test_finished_requests_free_their_slots_in_the_same_step(tiny_models_root, p
                 "must free its slots in the step it finishes"
             )
             for rid in trace.finished_rids:
-                assert all(req.rid != rid for req in running), f"step {trace.step}: request {rid} finished but still runs"
+                assert all(req.rid != rid for req in running), (
+                    f"step {trace.step}: request {rid} finished but still runs"
+                )
             engine.scheduler.check_invariants()
     assert_pool_free(engine, f"page size {page_size}")
 
@@ -43,8 +45,12 @@ def test_pool_is_fully_free_after_stops_and_aborts(tiny_models_root):
     prompts, limits = workload(10, seed=8, max_prompt=30, max_new=20)
     # Requests 0-2 end early on a stop token / EOS that they are known to produce.
     stops = {i: hf_greedy(path, prompts[i], limits[i])[limits[i] // 2] for i in range(3)}
-    params = [SamplingParams(temperature=0, max_new_tokens=n, stop_token_ids=[stops[i]] if i in stops else [], ignore_eos=True)
-              for i, n in enumerate(limits)]
+    params = [
+        SamplingParams(
+            temperature=0, max_new_tokens=n, stop_token_ids=[stops[i]] if i in stops else [], ignore_eos=True
+        )
+        for i, n in enumerate(limits)
+    ]
     engine, _, _ = tiny_engine(path, pool_size=512, max_running_requests=4)
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     with torch.inference_mode():
@@ -64,7 +70,9 @@ def test_pool_is_fully_free_after_stops_and_aborts(tiny_models_root):
     model = engine_model(str(path))
     for req, prompt, n in zip(reqs, prompts, limits):
         if req.rid in aborted:
-            assert req.finished_reason.type == "abort", f"request {req.rid} was aborted, finish reason {req.finished_reason}"
+            assert req.finished_reason.type == "abort", (
+                f"request {req.rid} was aborted, finish reason {req.finished_reason}"
+            )
             continue
         expected = cached_generate(model, prompt, n, eos_token_ids=[stops[req.rid]] if req.rid in stops else ())
         assert_same_tokens(req.output_ids, expected, f"request {req.rid} (next to two aborted requests), vs alone")

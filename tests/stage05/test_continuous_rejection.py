@@ -17,7 +17,8 @@ def check_others(path, outputs, indices):
         out = outputs[i]
         prompt = OK_PROMPTS[indices.index(i)]
         assert out.error is None and out.finish_reason.type == "length", (
-            f"request {i} is servable: it should finish normally, got finish reason {out.finish_reason}, error {out.error!r}"
+            f"request {i} is servable: it should finish normally, got finish reason {out.finish_reason}, error "
+            f"{out.error!r}"
         )
         assert_same_tokens(out.output_ids, hf_greedy(path, prompt, 8), f"request {i}, next to rejected requests")
 
@@ -29,10 +30,13 @@ def test_prompts_longer_than_the_pool_or_the_context_are_rejected(tiny_models_ro
     outputs = engine.generate([OK_PROMPTS[0], too_long_for_context, OK_PROMPTS[1], OK_PROMPTS[2]], greedy(8))
     bad = outputs[1]
     assert bad.finish_reason.type == "abort" and bad.output_ids == [] and bad.error, (
-        f"a 1100-token prompt exceeds the model's 1024-token context: its output should be an abort with no tokens and an "
+        "a 1100-token prompt exceeds the model's 1024-token context: its output should be an abort with no tokens "
+        "and an "
         f"error message, got finish reason {bad.finish_reason}, {len(bad.output_ids)} tokens, error {bad.error!r}"
     )
-    assert "1100" in bad.error and "1024" in bad.error, f"the error should give the prompt length and the context: {bad.error!r}"
+    assert "1100" in bad.error and "1024" in bad.error, (
+        f"the error should give the prompt length and the context: {bad.error!r}"
+    )
     check_others(path, outputs, [0, 2, 3])
     assert_pool_free(engine, "after a rejected request")
 
@@ -54,8 +58,10 @@ def test_add_request_refuses_what_can_never_finish(tiny_models_root):
     engine, _, _ = tiny_engine(path, pool_size=64, max_running_requests=4)
     engine.add_request(OK_PROMPTS[0], greedy(8), rid="ok")
     scheduler = engine.scheduler
-    for prompt, n, what in ((list(b"w" * 40), 30, "prompt + max_new_tokens over the 64-slot pool"),
-                            (list(b"v" * 10), 2000, "prompt + max_new_tokens over the 1024-token context")):
+    for prompt, n, what in (
+        (list(b"w" * 40), 30, "prompt + max_new_tokens over the 64-slot pool"),
+        (list(b"v" * 10), 2000, "prompt + max_new_tokens over the 1024-token context"),
+    ):
         req = Req(rid="bad", origin_input_ids=prompt, sampling_params=greedy(n))
         with pytest.raises(ValueError) as error:
             scheduler.add_request(req)

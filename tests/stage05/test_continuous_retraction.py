@@ -19,7 +19,9 @@ def test_retraction_under_a_small_pool_keeps_tokens_identical(tiny_models_root, 
     prompts, limits = retraction_workload()
     # 128 slots hold any one request (at most 24 + 24 - 1 positions) but not ten growing together;
     # new_token_ratio=0 admits whatever fits now, so the running requests soon need more than is left.
-    engine, recorder, traces = tiny_engine(path, pool_size=128, page_size=page_size, max_running_requests=8, new_token_ratio=0.0)
+    engine, recorder, traces = tiny_engine(
+        path, pool_size=128, page_size=page_size, max_running_requests=8, new_token_ratio=0.0
+    )
     reqs = [engine.add_request(p, greedy(n)) for p, n in zip(prompts, limits)]
     run_to_end(engine)  # checks the scheduler's invariants after every step
     retractions = engine.scheduler.stats.num_retractions
@@ -29,8 +31,13 @@ def test_retraction_under_a_small_pool_keeps_tokens_identical(tiny_models_root, 
     )
     model = engine_model(str(path))
     for i, (req, prompt, n) in enumerate(zip(reqs, prompts, limits)):
-        what = f"page size {page_size}, {retractions} retractions: request {i} ({len(prompt)}-token prompt, {n} new tokens)"
-        assert req.finished and req.finished_reason.type == "length", f"{what}: it should finish with 'length', got {req.finished_reason}"
+        what = (
+            f"page size {page_size}, {retractions} retractions: request {i} ({len(prompt)}-token prompt, {n} new "
+            "tokens)"
+        )
+        assert req.finished and req.finished_reason.type == "length", (
+            f"{what}: it should finish with 'length', got {req.finished_reason}"
+        )
         assert_same_tokens(req.output_ids, cached_generate(model, prompt, n), f"{what}, vs alone (stage 3)")
         assert_same_tokens(req.output_ids, hf_greedy(path, prompt, n), f"{what}, vs transformers")
     assert_pool_free(engine, f"page size {page_size}")
@@ -63,7 +70,8 @@ def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root
                     seen_readmission = True
                     n = len(prompts[rid]) + generated_when_retracted.pop(rid)
                     assert (extend_len, prefix_len) == (n, 0), (
-                        f"step {trace.step}: request {rid} was retracted after generating {n - len(prompts[rid])} tokens; "
+                        f"step {trace.step}: request {rid} was retracted after generating {n - len(prompts[rid])} "
+                        "tokens; "
                         f"readmitted, it must recompute its prompt and those tokens ({n} tokens, nothing cached); "
                         f"its row had extend {extend_len} after {prefix_len} cached"
                     )
@@ -72,7 +80,8 @@ def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root
                 seen_retraction = True
                 req = reqs[rid]
                 assert waiting[k] is req, (
-                    f"step {trace.step}: retracted request(s) {trace.retracted_rids} must be at the front of the waiting "
+                    f"step {trace.step}: retracted request(s) {trace.retracted_rids} must be at the front of the "
+                    "waiting "
                     f"queue, oldest first; the queue starts with {[r.rid for r in waiting[:4]]}"
                 )
                 assert req.req_pool_idx is None and req.cached_len == 0, (
@@ -87,23 +96,30 @@ def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root
             engine.scheduler.check_invariants()
     assert seen_retraction and seen_readmission, "the workload should retract a request and later readmit it"
     for rid, req in reqs.items():
-        assert_same_tokens(req.output_ids, hf_greedy(path, prompts[rid], limits[rid]), f"request {rid}, vs transformers")
+        assert_same_tokens(
+            req.output_ids, hf_greedy(path, prompts[rid], limits[rid]), f"request {rid}, vs transformers"
+        )
 
 
 def test_retracted_sampled_requests_continue_their_own_random_stream(tiny_models_root):
     path = tiny_models_root / "qwen3"
     tok, model = engine_tokenizer(str(path)), engine_model(str(path))
     prompts, limits = retraction_workload()
-    params = [SamplingParams(temperature=0.9, top_k=40, max_new_tokens=n, ignore_eos=True, seed=100 + i)
-              for i, n in enumerate(limits)]
+    params = [
+        SamplingParams(temperature=0.9, top_k=40, max_new_tokens=n, ignore_eos=True, seed=100 + i)
+        for i, n in enumerate(limits)
+    ]
     engine, _, _ = tiny_engine(path, pool_size=128, max_running_requests=8, new_token_ratio=0.0)
     got = engine.generate(prompts, params)
     assert engine.scheduler.stats.num_retractions > 0, "this workload should force retractions (none happened)"
     expected = stage3_generate(model, tok, prompts, params)
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert_same_tokens(g.output_ids, e.output_ids,
-                           f"seeded request {i} (seed {100 + i}) under retraction, vs stage 3 (a retracted request "
-                           "samples nothing extra: its generator continues where it stopped)")
+        assert_same_tokens(
+            g.output_ids,
+            e.output_ids,
+            f"seeded request {i} (seed {100 + i}) under retraction, vs stage 3 (a retracted request "
+            "samples nothing extra: its generator continues where it stopped)",
+        )
     assert_pool_free(engine, "qwen3, sampled")
 
 
@@ -126,7 +142,9 @@ def test_a_pool_that_cannot_serve_even_one_request_raises_instead_of_hanging(tin
     path = tiny_models_root / "llama"
     engine, _, traces = tiny_engine(path, pool_size=64, max_running_requests=4)
     warm_up = engine.add_request(list(b"warm up"), greedy(4))
-    assert run_until_error(engine) is None and warm_up.finished, "a small request should run to the end in an empty pool"
+    assert run_until_error(engine) is None and warm_up.finished, (
+        "a small request should run to the end in an empty pool"
+    )
     # Now something outside the scheduler holds most of the pool (a leak, say): nothing can finish.
     engine.runner.allocator.alloc_extend([0], [44], [0])  # 20 slots left
     first = engine.add_request(list(b"0123456789"), greedy(30))  # would fit alone in the empty pool (39 positions)
@@ -136,11 +154,15 @@ def test_a_pool_that_cannot_serve_even_one_request_raises_instead_of_hanging(tin
         f"once the only running request cannot get a slot even after retracting every other one, step() must raise "
         f"a RuntimeError that talks about KV slots; got {error!r}"
     )
-    assert len(first.output_ids) >= 5, f"request 0 should have run until the 20 free slots ran out, it has {len(first.output_ids)} tokens"
+    assert len(first.output_ids) >= 5, (
+        f"request 0 should have run until the 20 free slots ran out, it has {len(first.output_ids)} tokens"
+    )
 
     engine, _, _ = tiny_engine(path, pool_size=64, max_running_requests=4)
     warm_up = engine.add_request(list(b"warm up"), greedy(4))
-    assert run_until_error(engine) is None and warm_up.finished, "a small request should run to the end in an empty pool"
+    assert run_until_error(engine) is None and warm_up.finished, (
+        "a small request should run to the end in an empty pool"
+    )
     engine.runner.allocator.alloc_extend([0], [60], [0])  # 4 slots left: not even the prefill fits
     engine.add_request(list(b"0123456789"), greedy(5))
     error = run_until_error(engine)

@@ -16,7 +16,9 @@ def test_requests_with_different_sampling_params_each_follow_their_own(tiny_mode
     prompts = ["Hi", "Tell me a story", "x", "Once upon a time", "The end", "abc", "What is 2 + 2?", "Why?"]
     # A stop string and a stop token taken from what the greedy runs produce, so that they fire.
     # (The tiny tokenizer is byte-level: token id == byte value, so two ASCII tokens make a string.)
-    probe = stage3_generate(model, tok, [prompts[4], prompts[6]], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+    probe = stage3_generate(
+        model, tok, [prompts[4], prompts[6]], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    )
     ids = probe[0].output_ids
     k = next(k for k in range(len(ids) - 1) if all(32 <= t < 127 for t in ids[k : k + 2]))
     stop_string, stop_token = bytes(ids[k : k + 2]).decode(), probe[1].output_ids[5]
@@ -37,12 +39,18 @@ def test_requests_with_different_sampling_params_each_follow_their_own(tiny_mode
     for i, (g, e) in enumerate(zip(got, expected)):
         what = f"request {i} ({params[i]})"
         assert_same_tokens(g.output_ids, e.output_ids, f"{what}, vs stage 3", tok)
-        assert g.finish_reason == e.finish_reason, f"{what}: finish reason {g.finish_reason}, stage 3 says {e.finish_reason}"
+        assert g.finish_reason == e.finish_reason, (
+            f"{what}: finish reason {g.finish_reason}, stage 3 says {e.finish_reason}"
+        )
         assert g.text == e.text, f"{what}: text {g.text!r}, stage 3 says {e.text!r}"
         if params[i].seed is not None:
             assert g.seed == params[i].seed, f"{what}: the output should report seed {params[i].seed}, got {g.seed}"
-    assert got[4].finish_reason.matched == stop_string, f"request 4 should stop on {stop_string!r}, got {got[4].finish_reason}"
-    assert got[6].finish_reason.matched == stop_token, f"request 6 should stop on token {stop_token}, got {got[6].finish_reason}"
+    assert got[4].finish_reason.matched == stop_string, (
+        f"request 4 should stop on {stop_string!r}, got {got[4].finish_reason}"
+    )
+    assert got[6].finish_reason.matched == stop_token, (
+        f"request 6 should stop on token {stop_token}, got {got[6].finish_reason}"
+    )
     # The same seeded request alone gives the same tokens: results never depend on the batch.
     alone, _, _ = tiny_engine(path, pool_size=512)
     [solo] = alone.generate([prompts[2]], params[2])

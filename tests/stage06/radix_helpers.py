@@ -4,11 +4,14 @@ checks every invariant after every step."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from invariants import check_all, watch_evict
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
+from s00_foundation.model import CausalLM
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s06_radix_cache.engine import Engine
 
@@ -16,7 +19,8 @@ from s06_radix_cache.engine import Engine
 def radix_engine(path, enable_radix_cache: bool = True, **knobs):
     """(engine, recorder) on a tiny model; knobs go to the stage-6 Engine (pool_size, ...)."""
     recorder = PassRecorder(engine_model(str(path)))
-    engine = Engine(recorder, engine_tokenizer(str(path)), enable_radix_cache=enable_radix_cache, **knobs)
+    model = cast(CausalLM, recorder)  # the recorder passes itself off as the model
+    engine = Engine(model, engine_tokenizer(str(path)), enable_radix_cache=enable_radix_cache, **knobs)
     if engine.tree_cache is not None:
         watch_evict(engine.tree_cache)
     return engine, recorder
@@ -47,7 +51,9 @@ def assert_nothing_held_but_the_tree(engine, what: str) -> None:
     allocator, cache = engine.runner.allocator, engine.tree_cache
     held = allocator.size - allocator.available_size()
     in_tree = cache.total_size() if cache is not None else 0
-    assert cache is None or cache.protected_size_ == 0, f"{what}: nothing runs, yet {cache.protected_size_} cached tokens are still locked"
+    assert cache is None or cache.protected_size_ == 0, (
+        f"{what}: nothing runs, yet {cache.protected_size_} cached tokens are still locked"
+    )
     if cache is not None:
         cache.evict(allocator.size)
         assert cache.total_size() == 0, f"{what}: evicting everything left {cache.total_size()} tokens in the tree"

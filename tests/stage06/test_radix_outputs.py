@@ -47,7 +47,9 @@ def test_shared_prefix_workload_equals_no_cache_and_alone(tiny_model_dir):
     for i, (req, ref, prompt, n) in enumerate(zip(got, expected, prompts, limits)):
         who = f"{what}: request {i} ({len(prompt)}-token prompt, {n} new tokens)"
         assert_same_tokens(req.output_ids, ref.output_ids, f"{who}, with the radix cache vs without")
-        assert_same_tokens(req.output_ids, cached_generate(model, prompt, n), f"{who}, with the radix cache vs alone (stage 3)")
+        assert_same_tokens(
+            req.output_ids, cached_generate(model, prompt, n), f"{who}, with the radix cache vs alone (stage 3)"
+        )
     assert cached.scheduler.stats.cached_tokens >= 8 * 20, (
         f"{what}: the later requests share at least 20 prompt tokens each with earlier ones, yet admitted requests "
         f"found only {cached.scheduler.stats.cached_tokens} tokens cached in all"
@@ -91,7 +93,9 @@ def test_prefill_tokens_computed_are_exactly_the_uncached_ones(tiny_models_root)
         f"its last 2 tokens only; it computed {engine.scheduler.stats.prefill_tokens - before}"
     )
     model = engine_model(str(path))
-    assert_same_tokens(again.output_ids, cached_generate(model, first, 4), "the repeated prompt (1 token recomputed), vs alone")
+    assert_same_tokens(
+        again.output_ids, cached_generate(model, first, 4), "the repeated prompt (1 token recomputed), vs alone"
+    )
     assert_nothing_held_but_the_tree(engine, "qwen3, prefill counting")
 
 
@@ -108,13 +112,18 @@ def test_eviction_under_memory_pressure_keeps_outputs_identical(tiny_models_root
     engine, _ = radix_engine(path, pool_size=160, page_size=page_size, max_running_requests=6, new_token_ratio=0.0)
     reqs = run_all(engine, prompts, limits, what)
     cache = engine.tree_cache
-    assert cache.evicted_tokens > 0, f"{what}: this workload cannot fit the tree and the running requests; nothing was evicted"
+    assert cache.evicted_tokens > 0, (
+        f"{what}: this workload cannot fit the tree and the running requests; nothing was evicted"
+    )
     assert engine.scheduler.stats.cached_tokens > 0, f"{what}: no admitted request found its shared prefix cached"
     model = engine_model(str(path))
     for i, (req, prompt, n) in enumerate(zip(reqs, prompts, limits)):
-        who = (f"{what} ({cache.evicted_tokens} tokens evicted, {engine.scheduler.stats.num_retractions} retractions): "
-               f"request {i} ({len(prompt)}-token prompt, {n} new tokens)")
-        assert req.finished and req.finished_reason.type == "length", f"{who}: should finish with 'length', got {req.finished_reason}"
+        who = (
+            f"{what} ({cache.evicted_tokens} tokens evicted, {engine.scheduler.stats.num_retractions} retractions): "
+            f"request {i} ({len(prompt)}-token prompt, {n} new tokens)"
+        )
+        assert req.finished and req.finished_reason.type == "length", (
+            f"{who}: should finish with 'length', got {req.finished_reason}"
+        )
         assert_same_tokens(req.output_ids, cached_generate(model, prompt, n), f"{who}, vs alone (stage 3)")
     assert_nothing_held_but_the_tree(engine, what)
-

@@ -53,11 +53,13 @@ def test_lpm_falls_back_to_fcfs_on_a_long_queue():
     waiting = deque(reqs)
     SchedulePolicy("lpm", cache, fallback_queue_len=8).calc_priority(waiting)
     assert [r.rid for r in waiting] == [2, 1, 0], (
-        f"LPM on a short queue: request 2 has 6 tokens cached, 1 has 2, 0 none; the queue became {[r.rid for r in waiting]}"
+        "LPM on a short queue: request 2 has 6 tokens cached, 1 has 2, 0 none; the queue became "
+        f"{[r.rid for r in waiting]}"
     )
     waiting = deque(reqs)
     SchedulePolicy("lpm", cache, fallback_queue_len=2).calc_priority(waiting)
     assert [r.rid for r in waiting] == [0, 1, 2], (
-        f"LPM on a queue longer than fallback_queue_len must fall back to FCFS; the queue became {[r.rid for r in waiting]}"
+        "LPM on a queue longer than fallback_queue_len must fall back to FCFS; the queue became "
+        f"{[r.rid for r in waiting]}"
     )
     cache.check()

@@ -93,11 +93,14 @@ def test_locked_nodes_survive_eviction_and_lru_goes_first():
     cache.match_prefix([1, 1, 1])  # [1, 1, 1] is now the most recently used
     locked = cache.match_prefix([2, 2, 2])
     cache.lock(locked)
-    assert cache.evictable_size() == 6, f"3 of the 9 cached tokens are locked, so 6 are evictable; got {cache.evictable_size()}"
+    assert cache.evictable_size() == 6, (
+        f"3 of the 9 cached tokens are locked, so 6 are evictable; got {cache.evictable_size()}"
+    )
     freed = cache.evict(1)
     keys = sorted(child.key for child in cache.root.children.values())
     assert freed == 3 and keys == [[1, 1, 1], [2, 2, 2]], (
-        f"evict(1) should free the least recently used unlocked leaf [3, 3, 3] (3 slots); it freed {freed}, leaving {keys}"
+        f"evict(1) should free the least recently used unlocked leaf [3, 3, 3] (3 slots); it freed {freed}, leaving "
+        f"{keys}"
     )
     assert cache.evict(100) == 3 and [c.key for c in cache.root.children.values()] == [[2, 2, 2]], (
         "evicting everything must keep the locked [2, 2, 2]"
@@ -204,7 +207,9 @@ def test_random_operations_keep_the_invariants(page_size, data):
             in_tree = set(cache.cached_slots().tolist())
             assert all(s in in_tree for s in locked), f"op {step}: evict() removed slots a running request had locked"
         cache.check()
-        assert cache.evictable_size_ + cache.protected_size_ == cache.total_size(), f"op {step}: the sizes do not add up"
+        assert cache.evictable_size_ + cache.protected_size_ == cache.total_size(), (
+            f"op {step}: the sizes do not add up"
+        )
         # every slot is free, owned by one running request, or held by the tree exactly once
         owners = [slots[match.cached_len :] for _, slots, match in running] + [cache.cached_slots()]
         allocator.check_invariants(owners)
@@ -212,4 +217,6 @@ def test_random_operations_keep_the_invariants(page_size, data):
         cache.cache_finished_req(tokens, slots, match, True)
     assert cache.protected_size_ == 0, "every request finished, yet some cached tokens are still locked"
     cache.evict(allocator.size)
-    assert allocator.available_size() == allocator.size, "after finishing everything and evicting the whole tree, slots are still taken"
+    assert allocator.available_size() == allocator.size, (
+        "after finishing everything and evicting the whole tree, slots are still taken"
+    )

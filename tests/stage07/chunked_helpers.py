@@ -84,7 +84,9 @@ def assert_pool_free_after_tree(engine, what: str) -> None:
     check_all(engine, what)
     allocator, cache = engine.runner.allocator, engine.tree_cache
     if cache is not None:
-        assert cache.protected_size_ == 0, f"{what}: nothing runs, yet {cache.protected_size_} cached tokens are still locked"
+        assert cache.protected_size_ == 0, (
+            f"{what}: nothing runs, yet {cache.protected_size_} cached tokens are still locked"
+        )
         cache.evict(allocator.size)
     assert allocator.available_size() == allocator.size, (
         f"{what}: nothing runs and the tree is evicted, yet {allocator.size - allocator.available_size()} of "

@@ -27,13 +27,19 @@ def test_chunks_run_beside_decodes_with_the_same_tokens(tiny_models_root):
             extend_lens, prefix_lens = recorder.passes[before]
             if engine.scheduler.chunked_req is long_req:
                 chunks_seen += 1
-                assert long_req.rid not in [out.rid for out in outputs], f"{what}: a step reported a token for the long request mid-prefill"
+                assert long_req.rid not in [out.rid for out in outputs], (
+                    f"{what}: a step reported a token for the long request mid-prefill"
+                )
                 decodes = sum(1 for e in extend_lens if e == 1)
                 assert 16 in extend_lens and decodes == 3, (
-                    f"{what}: while the long prompt is chunked, each pass should hold its 16-token chunk AND the running "
+                    f"{what}: while the long prompt is chunked, each pass should hold its 16-token chunk AND the "
+                    "running "
                     f"requests' decode rows; this one had extend_lens {extend_lens}"
                 )
-    assert chunks_seen == 3, f"{what}: the 60-token prompt (chunks of 16, 16, 16, 12) should stay half-prefilled for 3 steps, it did for {chunks_seen}"
+    assert chunks_seen == 3, (
+        f"{what}: the 60-token prompt (chunks of 16, 16, 16, 12) should stay half-prefilled for 3 steps, it did for "
+        f"{chunks_seen}"
+    )
     for i, (req, prompt) in enumerate(zip(reqs + [long_req], short + [long_prompt])):
         n = req.sampling_params.max_new_tokens
         assert_same_tokens(req.output_ids, hf_greedy(path, prompt, n), f"{what}: request {i} vs transformers (alone)")
@@ -71,7 +77,8 @@ def test_the_half_prefilled_request_keeps_its_place(tiny_models_root):
         f"the first row of each pass started at {[p[0] for p in prefixes]}"
     )
     assert recorder.passes[4][0] == [5, 4], (
-        f"{what}: the last chunk (5 tokens) leaves 5 of the budget, enough for the late 4-token prompt in the same pass; "
+        f"{what}: the last chunk (5 tokens) leaves 5 of the budget, enough for the late 4-token prompt in the same "
+        "pass; "
         f"pass 5 had extend_lens {recorder.passes[4][0]}"
     )
     for req, prompt in ((long_req, long_prompt), (late_req, late)):
@@ -86,8 +93,12 @@ def test_a_step_reports_no_token_for_a_request_mid_prefill(tiny_models_root):
     reqs = run_checked(engine, prompts, greedy(4), what)
     for req in reqs:
         first = req.time_stats.first_token
-        assert first is not None and len(req.output_ids) == 4, f"{what}: request {req.rid} ended with {len(req.output_ids)} tokens"
-        assert len(req.time_stats.scheduled) == 1, f"{what}: request {req.rid} was admitted {len(req.time_stats.scheduled)} times"
+        assert first is not None and len(req.output_ids) == 4, (
+            f"{what}: request {req.rid} ended with {len(req.output_ids)} tokens"
+        )
+        assert len(req.time_stats.scheduled) == 1, (
+            f"{what}: request {req.rid} was admitted {len(req.time_stats.scheduled)} times"
+        )
 
 
 def test_chunked_prefill_size_none_computes_every_prompt_whole(tiny_models_root):
@@ -96,10 +107,13 @@ def test_chunked_prefill_size_none_computes_every_prompt_whole(tiny_models_root)
     prompts = [random_prompt(40, seed=40), random_prompt(6, seed=6)]
     what = "llama3, chunked_prefill_size=None (no chunking), max_prefill_tokens=16, prompts of 40 and 6 tokens"
     reqs = run_checked(engine, prompts, greedy(4), what)
-    prefill_rows = [[e for e, p in zip(extend_lens, prefix_lens) if p == 0] for extend_lens, prefix_lens in recorder.passes]
+    prefill_rows = [
+        [e for e, p in zip(extend_lens, prefix_lens) if p == 0] for extend_lens, prefix_lens in recorder.passes
+    ]
     assert prefill_rows[0] == [40], (
         f"{what}: chunked_prefill_size=None turns chunking off (stage 6's behaviour): the 40-token prompt is computed "
-        f"whole in one pass, as its step's only prefill since it is longer than max_prefill_tokens; the passes' prefill rows "
+        "whole in one pass, as its step's only prefill since it is longer than max_prefill_tokens; the passes' "
+        "prefill rows "
         f"were {[rows for rows in prefill_rows if rows]}"
     )
     for req, prompt in zip(reqs, prompts):

@@ -30,11 +30,14 @@ def test_greedy_tokens_identical_to_unchunked_and_transformers(tiny_model_dir, b
     reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
     for i, (req, prompt, n) in enumerate(zip(reqs, prompts, limits)):
         expected = hf_greedy(tiny_model_dir, prompt, n)
-        assert_same_tokens(req.output_ids, expected, f"{what}: request {i} ({len(prompt)}-token prompt) vs transformers")
+        assert_same_tokens(
+            req.output_ids, expected, f"{what}: request {i} ({len(prompt)}-token prompt) vs transformers"
+        )
     for number, (extend_lens, _) in enumerate(recorder.passes, 1):
         prefill = sum(e for e in extend_lens if e > 1) if budget > 1 else None
         assert prefill is None or prefill <= budget, (
-            f"{what}: forward pass {number} computed {prefill} prompt tokens ({extend_lens}), more than the budget of {budget}"
+            f"{what}: forward pass {number} computed {prefill} prompt tokens ({extend_lens}), more than the budget "
+            f"of {budget}"
         )
     longest = max(len(p) for p in prompts)
     assert len(recorder.passes) >= -(-longest // budget), (
@@ -53,12 +56,23 @@ def test_every_budget_and_page_size_gives_the_tokens_of_transformers(tiny_models
     limits = [6, 3, 5, 4, 6, 5]
     expected = [hf_greedy(path, prompt, n) for prompt, n in zip(prompts, limits)]
     for budget in (1, 3, 8, 40, 64):
-        what = f"qwen2, chunked_prefill_size={budget}, page_size={page_size}, radix cache {'on' if enable_radix_cache else 'off'}"
-        engine, _ = chunked_engine(path, budget, page_size=page_size, enable_radix_cache=enable_radix_cache,
-                                   pool_size=1024, max_running_requests=4)
+        what = (
+            f"qwen2, chunked_prefill_size={budget}, page_size={page_size}, radix cache "
+            f"{'on' if enable_radix_cache else 'off'}"
+        )
+        engine, _ = chunked_engine(
+            path,
+            budget,
+            page_size=page_size,
+            enable_radix_cache=enable_radix_cache,
+            pool_size=1024,
+            max_running_requests=4,
+        )
         reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
         for i, (req, ref) in enumerate(zip(reqs, expected)):
-            assert_same_tokens(req.output_ids, ref, f"{what}: request {i} ({len(prompts[i])}-token prompt) vs transformers")
+            assert_same_tokens(
+                req.output_ids, ref, f"{what}: request {i} ({len(prompts[i])}-token prompt) vs transformers"
+            )
         assert_pool_free_after_tree(engine, what)
 
 
@@ -67,7 +81,9 @@ def test_seeded_sampling_is_independent_of_the_budget(tiny_models_root):
     its tokens would then depend on how its prompt was cut."""
     path = tiny_models_root / "llama3"
     prompts = [random_prompt(n, seed=n) for n in (37, 5, 60, 12)]
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=10 + i, max_new_tokens=8, ignore_eos=True) for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=10 + i, max_new_tokens=8, ignore_eos=True) for i in range(4)
+    ]
     model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
     expected = stage3_generate(model, tokenizer, prompts, params)  # each request alone, unchunked
     for budget in (1, 6, 25):
@@ -75,4 +91,8 @@ def test_seeded_sampling_is_independent_of_the_budget(tiny_models_root):
         engine, _ = chunked_engine(path, budget, pool_size=1024)
         reqs = run_checked(engine, prompts, params, what)
         for i, (req, ref) in enumerate(zip(reqs, expected)):
-            assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} (seed {params[i].seed}) vs alone, unchunked (stage 3)")
+            assert_same_tokens(
+                req.output_ids,
+                ref.output_ids,
+                f"{what}: request {i} (seed {params[i].seed}) vs alone, unchunked (stage 3)",
+            )

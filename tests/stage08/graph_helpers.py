@@ -8,8 +8,8 @@ import torch
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
-from s04_paged_kv_pool.model_runner import ModelRunner as EagerRunner
-from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
+from s04_paged_kv_pool.model_runner import ModelRunner
+from s08_cuda_graph.model_runner import GraphModelRunner
 
 POOL_SIZE, MAX_CONTEXT = 512, 256
 
@@ -17,7 +17,9 @@ POOL_SIZE, MAX_CONTEXT = 512, 256
 def runners(model, max_bs: int = 8, max_running_requests: int = 16, **knobs):
     """(stage 8 runner, stage 4 runner) over the same model, with pools of the same shape."""
     shape = dict(pool_size=POOL_SIZE, max_running_requests=max_running_requests, max_context_len=MAX_CONTEXT, **knobs)
-    return GraphRunner(model, cuda_graph_max_bs=max_bs, attention_backend="torch", **shape), EagerRunner(model, attention_backend="torch", **shape)
+    return GraphModelRunner(model, cuda_graph_max_bs=max_bs, attention_backend="torch", **shape), ModelRunner(
+        model, attention_backend="torch", **shape
+    )
 
 
 def start(runner, prompts) -> list[Req]:

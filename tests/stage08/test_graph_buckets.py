@@ -7,14 +7,23 @@ import pytest
 from graph_helpers import runners
 from reference import engine_model
 from s00_foundation.forward_batch import ForwardBatch
-from s08_cuda_graph.model_runner import ModelRunner as GraphRunner
 from s08_cuda_graph.cuda_graph_runner import capture_bs_buckets, kv_len_buckets
+from s08_cuda_graph.model_runner import GraphModelRunner
 
 
-@pytest.mark.parametrize("max_bs, expected", [
-    (1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (12, [1, 2, 4, 8, 12]),
-    (20, [1, 2, 4, 8, 16, 20]), (32, [1, 2, 4, 8, 16, 24, 32]), (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
-])
+@pytest.mark.parametrize(
+    "max_bs, expected",
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (12, [1, 2, 4, 8, 12]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (32, [1, 2, 4, 8, 16, 24, 32]),
+        (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+    ],
+)
 def test_capture_batch_sizes(max_bs, expected):
     got = capture_bs_buckets(max_bs)
     assert got == expected, (
@@ -33,12 +42,23 @@ def test_key_lengths_stop_at_cuda_graph_max_kv_len(tiny_models_root):
     """Longer sequences than the largest key bucket decode eagerly: a bucket at the full table
     width would gather [bs, width] keys in every layer."""
     model = engine_model(str(tiny_models_root / "llama"))
-    runner = GraphRunner(model, pool_size=512, max_running_requests=8, max_context_len=1000, attention_backend="torch",
-                         cuda_graph_max_bs=4, cuda_graph_max_kv_len=200)
+    runner = GraphModelRunner(
+        model,
+        pool_size=512,
+        max_running_requests=8,
+        max_context_len=1000,
+        attention_backend="torch",
+        cuda_graph_max_bs=4,
+        cuda_graph_max_kv_len=200,
+    )
     graph = runner.cuda_graph_runner
-    assert graph.capture_kv_lens == [64, 128, 200], f"key buckets up to cuda_graph_max_kv_len=200: got {graph.capture_kv_lens}"
+    assert graph.capture_kv_lens == [64, 128, 200], (
+        f"key buckets up to cuda_graph_max_kv_len=200: got {graph.capture_kv_lens}"
+    )
     assert len(graph.batches) == 3 * 3, f"every (bs, kv_len) bucket is set up at start: got {sorted(graph.batches)}"
-    assert graph.can_run(decode_batch(runner, 3, seq_len=200)), "a decode whose longest sequence fits the largest key bucket replays"
+    assert graph.can_run(decode_batch(runner, 3, seq_len=200)), (
+        "a decode whose longest sequence fits the largest key bucket replays"
+    )
     assert not graph.can_run(decode_batch(runner, 3, seq_len=201)), (
         "a decode with a sequence longer than cuda_graph_max_kv_len (201 > 200) must run eagerly"
     )
@@ -56,12 +76,18 @@ def test_bucket_choice_for_every_batch_size(tiny_models_root):
     for n in range(1, 22):
         batch = decode_batch(runner, n)
         if n > 20:
-            assert not graph.can_run(batch), f"a decode of {n} requests is larger than cuda_graph_max_bs=20: it must run eagerly"
+            assert not graph.can_run(batch), (
+                f"a decode of {n} requests is larger than cuda_graph_max_bs=20: it must run eagerly"
+            )
             continue
-        assert graph.can_run(batch), f"a decode of {n} requests fits cuda_graph_max_bs=20: the graph runner must take it"
+        assert graph.can_run(batch), (
+            f"a decode of {n} requests fits cuda_graph_max_bs=20: the graph runner must take it"
+        )
         expected = min(b for b in buckets if b >= n)
         got = graph.bucket_for(n, 5)[0]
-        assert got == expected, f"a decode of {n} requests goes to the smallest bucket that holds it, {expected}; got {got}"
+        assert got == expected, (
+            f"a decode of {n} requests goes to the smallest bucket that holds it, {expected}; got {got}"
+        )
 
 
 def test_bucket_choice_for_key_lengths(tiny_models_root):
@@ -69,7 +95,9 @@ def test_bucket_choice_for_key_lengths(tiny_models_root):
     graph = runner.cuda_graph_runner
     for seq_len, expected in [(1, 64), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256)]:
         got = graph.bucket_for(3, seq_len)
-        assert got == (4, expected), f"3 requests, the longest with {seq_len} tokens: expected bucket (4, {expected}), got {got}"
+        assert got == (4, expected), (
+            f"3 requests, the longest with {seq_len} tokens: expected bucket (4, {expected}), got {got}"
+        )
 
 
 def test_prefill_and_mixed_batches_are_not_for_graphs(tiny_models_root):

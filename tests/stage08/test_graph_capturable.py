@@ -39,7 +39,9 @@ def test_the_captured_region_reads_nothing_on_the_host(tiny_models_root, family,
     run_pass(runner, reqs)  # the prefill: eager, not watched
     for size in (6, 6, 5, 3, 3, 2, 1):  # buckets 8, 8, 8, 4, 4, 2, 1: padded and unpadded passes
         run_pass(runner, reqs[:size])
-        assert runner.last_forward_path == "graph", f"a decode of {size} should take the graph path, took {runner.last_forward_path!r}"
+        assert runner.last_forward_path == "graph", (
+            f"a decode of {size} should take the graph path, took {runner.last_forward_path!r}"
+        )
     assert watched.calls == 7, f"the graph path should run the model once per decode, ran it {watched.calls} times"
     problems = watched.found
     assert not problems, (
@@ -59,7 +61,10 @@ HOST_READS_PER_DECODE_STEP = [
 COPIES_PER_DECODE_STEP = [
     # Both from pinned memory with non_blocking=True (s00 device.host_to_device): queued, not waited for.
     ("torch.tensor(...)", "s00_foundation/device.py in host_to_device"),  # token ids, positions and table rows, in one
-    ("torch.tensor(...)", "s00_foundation/device.py in host_to_device"),  # the new tokens' slots (the allocator's out_cache_loc)
+    (
+        "torch.tensor(...)",
+        "s00_foundation/device.py in host_to_device",
+    ),  # the new tokens' slots (the allocator's out_cache_loc)
 ]
 
 
@@ -68,8 +73,9 @@ def test_host_syncs_and_copies_per_decode_step(tiny_models_root, graphs):
     """A steady decode step (no request joins or leaves) reads one thing back from the device,
     the sampled tokens, and copies its inputs to the device in two non-blocking copies."""
     path = str(tiny_models_root / "llama")
-    engine = Engine(engine_model(path), engine_tokenizer(path), pool_size=512, max_running_requests=8,
-                    disable_cuda_graph=not graphs)
+    engine = Engine(
+        engine_model(path), engine_tokenizer(path), pool_size=512, max_running_requests=8, disable_cuda_graph=not graphs
+    )
     for i in range(3):
         engine.add_request(prompts_of(3)[i], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
     engine.step(), engine.step()  # the prefill, a first decode
@@ -77,7 +83,9 @@ def test_host_syncs_and_copies_per_decode_step(tiny_models_root, graphs):
     with watch:
         engine.step()
     expected_path = "graph" if graphs else "eager"
-    assert engine.runner.last_forward_path == expected_path, f"the decode took the {engine.runner.last_forward_path!r} path"
+    assert engine.runner.last_forward_path == expected_path, (
+        f"the decode took the {engine.runner.last_forward_path!r} path"
+    )
     assert sorted(watch.reads) == sorted(HOST_READS_PER_DECODE_STEP), (
         f"{expected_path} decode step: host reads of device values (each one waits for the GPU): expected only "
         f"{HOST_READS_PER_DECODE_STEP}, saw {watch.reads}"

@@ -31,7 +31,8 @@ from s08_cuda_graph import cuda_graph_runner as cgr
 
 class FakeStream:
     def __init__(self, name: str):
-        self.name, self.waited_for = name, []
+        self.name = name
+        self.waited_for: list[str] = []
 
     def wait_stream(self, other: "FakeStream") -> None:
         self.waited_for.append(other.name)
@@ -137,17 +138,27 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
         f"capture() must record a graph for every bucket, largest first (so smaller graphs reuse the largest one's "
         f"memory): expected {expected}, got {list(runner.graphs)}"
     )
-    assert set(runner.output_buffers) == set(runner.graphs), "keep each graph's output logits in output_buffers, under its bucket"
-    per_bucket = [cuda.events[i : i + cgr.NUM_WARMUP_RUNS + 2] for i in range(0, len(cuda.events), cgr.NUM_WARMUP_RUNS + 2)]
-    assert len(per_bucket) == len(expected), f"{len(cuda.events)} events for {len(expected)} buckets: {cuda.events[:8]}..."
+    assert set(runner.output_buffers) == set(runner.graphs), (
+        "keep each graph's output logits in output_buffers, under its bucket"
+    )
+    per_bucket = [
+        cuda.events[i : i + cgr.NUM_WARMUP_RUNS + 2] for i in range(0, len(cuda.events), cgr.NUM_WARMUP_RUNS + 2)
+    ]
+    assert len(per_bucket) == len(expected), (
+        f"{len(cuda.events)} events for {len(expected)} buckets: {cuda.events[:8]}..."
+    )
     for bucket, events in zip(expected, per_bucket):
         warmups, capture, recorded = events[: cgr.NUM_WARMUP_RUNS], events[-2], events[-1]
         assert warmups == [("model", "side", False)] * cgr.NUM_WARMUP_RUNS, (
             f"bucket {bucket}: run the model {cgr.NUM_WARMUP_RUNS} times on a side stream (torch.cuda.Stream, with "
             f"torch.cuda.stream(...)) before the capture; saw {events}"
         )
-        assert capture == ("capture", cuda.pool), f"bucket {bucket}: then one capture into the shared graph_pool (pool=self.graph_pool); saw {events}"
-        assert recorded[0] == "model" and recorded[2], f"bucket {bucket}: the capture must record one model pass; saw {events}"
+        assert capture == ("capture", cuda.pool), (
+            f"bucket {bucket}: then one capture into the shared graph_pool (pool=self.graph_pool); saw {events}"
+        )
+        assert recorded[0] == "model" and recorded[2], (
+            f"bucket {bucket}: the capture must record one model pass; saw {events}"
+        )
 
     cuda.events.clear()
     sizes = [5, 5, 4, 3, 3, 1]  # buckets 8, 8, 4, 4, 4, 1
@@ -157,14 +168,19 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
     for step, size in enumerate(sizes):
         _, expected_logits = run_pass(eager, theirs[:size])
         _, got = run_pass(graph, mine[:size], tokens=expected_logits.argmax(-1).tolist())
-        assert graph.last_forward_path == "graph", f"decode {step} ({size} requests) took the {graph.last_forward_path!r} path"
+        assert graph.last_forward_path == "graph", (
+            f"decode {step} ({size} requests) took the {graph.last_forward_path!r} path"
+        )
         assert torch.allclose(got, expected_logits, rtol=1e-4, atol=1e-4), (
-            f"decode {step}: replayed logits differ from the eager runner's by {(got - expected_logits).abs().max().item():.3g}"
+            f"decode {step}: replayed logits differ from the eager runner's by "
+            f"{(got - expected_logits).abs().max().item():.3g}"
         )
     assert [e for e in cuda.events if e[0] == "capture" or e[1] == "side"] == [], (
         f"after the start, decodes must only replay (no warm-up, no capture): saw {cuda.events[:6]}"
     )
-    assert sum(g.replays for g in runner.graphs.values()) == len(sizes), "every decode must replay its bucket's graph once"
+    assert sum(g.replays for g in runner.graphs.values()) == len(sizes), (
+        "every decode must replay its bucket's graph once"
+    )
 
 
 def test_capture_records_the_buckets_static_batch_and_waits_for_the_side_stream(monkeypatch, tiny_models_root):
@@ -173,10 +189,18 @@ def test_capture_records_the_buckets_static_batch_and_waits_for_the_side_stream(
     runner.capture()
     for bucket in [(4, 64), (8, 256)]:
         model, args, kwargs, output = runner.graphs[bucket].recorded
-        assert args[0] is runner.batches[bucket], f"bucket {bucket}: the graph must record a pass over the bucket's static batch (views of the buffers)"
-        assert kwargs.get("return_all_logits") or (len(args) > 1 and args[1]), "record the logits of every row (return_all_logits=True)"
-        assert runner.output_buffers[bucket] is output, "output_buffers must hold the very tensor the captured pass returned"
-        assert output.shape[0] == bucket[0], f"the captured output has a row per bucket row ({bucket[0]}), got {tuple(output.shape)}"
+        assert args[0] is runner.batches[bucket], (
+            f"bucket {bucket}: the graph must record a pass over the bucket's static batch (views of the buffers)"
+        )
+        assert kwargs.get("return_all_logits") or (len(args) > 1 and args[1]), (
+            "record the logits of every row (return_all_logits=True)"
+        )
+        assert runner.output_buffers[bucket] is output, (
+            "output_buffers must hold the very tensor the captured pass returned"
+        )
+        assert output.shape[0] == bucket[0], (
+            f"the captured output has a row per bucket row ({bucket[0]}), got {tuple(output.shape)}"
+        )
     assert cuda.side_streams and all("default" in s.waited_for for s in cuda.side_streams), (
         "the side stream must wait for the default stream before the warm-up (side.wait_stream(current_stream()))"
     )
@@ -200,6 +224,10 @@ def test_a_capture_that_fails_stops_the_start_naming_the_bucket(monkeypatch, tin
     with pytest.raises(RuntimeError) as failure:
         runner.capture()
     message = str(failure.value)
-    assert "bs=4" in message and "kv_len=128" in message, f"the error must name the bucket that failed (bs=4, kv_len=128): {message}"
-    assert "--disable-cuda-graph" in message, f"the error must say how to run without graphs (--disable-cuda-graph): {message}"
+    assert "bs=4" in message and "kv_len=128" in message, (
+        f"the error must name the bucket that failed (bs=4, kv_len=128): {message}"
+    )
+    assert "--disable-cuda-graph" in message, (
+        f"the error must say how to run without graphs (--disable-cuda-graph): {message}"
+    )
     assert "out of memory" in message, f"the error must carry the capture's own error: {message}"

@@ -12,7 +12,7 @@ import torch
 from graph_helpers import prompts_of, run_pass, runners, start
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s07_chunked_prefill.engine import Engine as Stage7Engine
+from s07_chunked_prefill.engine import ChunkedPrefillEngine
 from s08_cuda_graph.engine import Engine
 
 
@@ -27,7 +27,8 @@ def test_decode_logits_equal_the_eager_runner(tiny_model_dir):
         _, got = run_pass(graph_runner, ours[:size], tokens)
         path = "eager (prefill)" if step == 0 else "graph"
         assert graph_runner.last_forward_path == path.split()[0], (
-            f"{tiny_model_dir.name}, step {step}: expected the {path} path, the runner took {graph_runner.last_forward_path!r}"
+            f"{tiny_model_dir.name}, step {step}: expected the {path} path, the runner took "
+            f"{graph_runner.last_forward_path!r}"
         )
         assert got.shape == expected.shape, (
             f"{tiny_model_dir.name}, step {step} ({size} requests): logits of shape {tuple(got.shape)}, expected "
@@ -35,7 +36,8 @@ def test_decode_logits_equal_the_eager_runner(tiny_model_dir):
         )
         worst = (got - expected).abs().max().item()
         assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4), (
-            f"{tiny_model_dir.name}, step {step} ({size} requests, padded to a bucket): the graph path's logits differ from "
+            f"{tiny_model_dir.name}, step {step} ({size} requests, padded to a bucket): the graph path's logits "
+            "differ from "
             f"stage 4's eager runner by up to {worst:.3g}"
         )
 
@@ -52,14 +54,17 @@ def test_engine_greedy_equals_transformers_and_stage7(tiny_model_dir):
     # 6 requests, graphs up to 4: decodes of 5-6 requests run eagerly, 1-4 replay the graph path.
     engine = Engine(model, tok, pool_size=512, max_running_requests=8, cuda_graph_max_bs=4, disable_cuda_graph=False)
     got = engine.generate(prompts, [greedy(n) for n in limits])
-    stage7 = Stage7Engine(model, tok, pool_size=512, max_running_requests=8).generate(prompts, [greedy(n) for n in limits])
+    stage7 = ChunkedPrefillEngine(model, tok, pool_size=512, max_running_requests=8).generate(
+        prompts, [greedy(n) for n in limits]
+    )
     for i, (prompt, n) in enumerate(zip(prompts, limits)):
         what = f"{tiny_model_dir.name}, request {i} ({len(prompt)}-token prompt, {n} new tokens)"
         assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, n), f"{what}, stage 8 vs transformers")
         assert_same_tokens(got[i].output_ids, stage7[i].output_ids, f"{what}, stage 8 vs the stage-7 engine")
     paths = engine.runner.forward_paths
     assert paths["graph"] > 0 and paths["eager"] > 0, (
-        f"{tiny_model_dir.name}: this workload has prefills, decodes of 5-6 requests (> cuda_graph_max_bs=4) and decodes "
+        f"{tiny_model_dir.name}: this workload has prefills, decodes of 5-6 requests (> cuda_graph_max_bs=4) and "
+        "decodes "
         f"of 1-4; both paths should have run, got {dict(paths)}"
     )
 
@@ -69,19 +74,26 @@ def test_fallback_paths(tiny_models_root):
     runner, _ = runners(model, max_bs=4)
     reqs = start(runner, prompts_of(6))
     expected_paths = []
-    run_pass(runner, reqs[:4]); expected_paths.append(("a prefill of 4 requests", "eager"))
+    run_pass(runner, reqs[:4])
+    expected_paths.append(("a prefill of 4 requests", "eager"))
     observed = [runner.last_forward_path]
-    run_pass(runner, reqs[:4]); expected_paths.append(("a decode of 4 requests (the largest bucket)", "graph"))
+    run_pass(runner, reqs[:4])
+    expected_paths.append(("a decode of 4 requests (the largest bucket)", "graph"))
     observed.append(runner.last_forward_path)
-    run_pass(runner, reqs); expected_paths.append(("a batch of 4 decodes and 2 prefills", "eager"))
+    run_pass(runner, reqs)
+    expected_paths.append(("a batch of 4 decodes and 2 prefills", "eager"))
     observed.append(runner.last_forward_path)
-    run_pass(runner, reqs); expected_paths.append(("a decode of 6 requests (> cuda_graph_max_bs=4)", "eager"))
+    run_pass(runner, reqs)
+    expected_paths.append(("a decode of 6 requests (> cuda_graph_max_bs=4)", "eager"))
     observed.append(runner.last_forward_path)
-    run_pass(runner, reqs[:2]); expected_paths.append(("a decode of 2 requests", "graph"))
+    run_pass(runner, reqs[:2])
+    expected_paths.append(("a decode of 2 requests", "graph"))
     observed.append(runner.last_forward_path)
     for (what, expected), got in zip(expected_paths, observed):
         assert got == expected, f"{what} should take the {expected} path, took {got!r}"
-    assert runner.forward_paths == {"eager": 3, "graph": 2}, f"path counts: expected 3 eager and 2 graph passes, got {dict(runner.forward_paths)}"
+    assert runner.forward_paths == {"eager": 3, "graph": 2}, (
+        f"path counts: expected 3 eager and 2 graph passes, got {dict(runner.forward_paths)}"
+    )
 
 
 def test_disable_cuda_graph_runs_everything_eagerly(tiny_models_root):
@@ -90,7 +102,9 @@ def test_disable_cuda_graph_runs_everything_eagerly(tiny_models_root):
     engine = Engine(model, tok, pool_size=256, disable_cuda_graph=True)
     got = engine.generate(prompts_of(2), greedy(5))
     assert engine.runner.cuda_graph_runner is None, "disable_cuda_graph=True: the runner should have no CudaGraphRunner"
-    assert set(engine.runner.forward_paths) == {"eager"}, f"disable_cuda_graph=True: every pass eager, got {dict(engine.runner.forward_paths)}"
+    assert set(engine.runner.forward_paths) == {"eager"}, (
+        f"disable_cuda_graph=True: every pass eager, got {dict(engine.runner.forward_paths)}"
+    )
     for i, prompt in enumerate(prompts_of(2)):
         assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, 5), f"qwen3, request {i}, graphs disabled")
 
@@ -107,7 +121,9 @@ def test_default_uses_graphs_only_on_cuda(tiny_models_root):
         f"the default engine on {model.device.type} should {'' if on_cuda else 'not '}have a CudaGraphRunner"
     )
     expected = {"eager", "graph"} if on_cuda else {"eager"}
-    assert set(engine.runner.forward_paths) == expected, f"default engine on {model.device.type}: paths {dict(engine.runner.forward_paths)}"
+    assert set(engine.runner.forward_paths) == expected, (
+        f"default engine on {model.device.type}: paths {dict(engine.runner.forward_paths)}"
+    )
     for i, prompt in enumerate(prompts_of(2)):
         assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, 4), f"llama, request {i}, default engine")
 

@@ -8,22 +8,7 @@ import shutil
 
 import pytest
 
-from serving_helpers import Server
-
-TINY_FAMILY = "llama"
-# The tiny server: room for 40+ requests at once, a 1024-token context (the tiny models' own).
-TINY_ARGS = ["--pool-size", "4096", "--max-running-requests", "48"]
-DEFAULT_ARGS = ["--pool-size", "2048"]
-# A chat template that uses a message's name (the tiny models' own, plus " name" after the role).
-NAMED_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %}\n"
-    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# The guarded server: every guard tight enough for a test to reach it quickly.
-GUARD_KEY = "sk-stage9-test"
-GUARD_LIMITS = dict(max_request_bytes=65536, max_running_requests=2, max_queued_requests=1, read_timeout=2,
-                    keep_alive_timeout=1, request_timeout=3, health_timeout=1, max_connections=16)
-GUARD_ARGS = ["--pool-size", "4096", *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()]]
+from serving_helpers import DEFAULT_ARGS, GUARD_ARGS, GUARD_KEY, NAMED_TEMPLATE, TINY_ARGS, TINY_FAMILY, Server
 
 
 def running(model, args: list[str], log_dir, **options):
@@ -52,8 +37,10 @@ def tiny_server(tiny_server_session):
     return alive(tiny_server_session)
 
 
+# The other servers start after the tiny one: where it cannot start (an unwritten stage), they
+# fail at once with its error instead of spending half a minute each to fail the same way.
 @pytest.fixture(scope="session")
-def default_server_session(default_model_dir, tmp_path_factory):
+def default_server_session(tiny_server_session, default_model_dir, tmp_path_factory):
     yield from running(default_model_dir, DEFAULT_ARGS, tmp_path_factory.mktemp("s09-default-server"))
 
 
@@ -63,8 +50,10 @@ def default_server(default_server_session):
 
 
 @pytest.fixture(scope="session")
-def guarded_server_session(tiny_models_root, tmp_path_factory):
-    yield from running(tiny_models_root / TINY_FAMILY, GUARD_ARGS, tmp_path_factory.mktemp("s09-guarded-server"), api_key=GUARD_KEY)
+def guarded_server_session(tiny_server_session, tiny_models_root, tmp_path_factory):
+    yield from running(
+        tiny_models_root / TINY_FAMILY, GUARD_ARGS, tmp_path_factory.mktemp("s09-guarded-server"), api_key=GUARD_KEY
+    )
 
 
 @pytest.fixture

@@ -22,12 +22,43 @@ from openai import AsyncOpenAI
 
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s09_zmq_serving.scheduler_process import Engine  # the engine the server runs
+from s08_cuda_graph.engine import CudaGraphEngine  # the engine these servers run (SERVED_ENGINE)
 from s09_zmq_serving.server_process import ServerProcess
 from soak_serving import stream_problems
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
+
+TINY_FAMILY = "llama"
+# Every stage-9 server serves stage 8's engine: without --disable-overlap the server runs stage
+# 10's, and stage 9's tests must pass with stages 1-9 written (stage 10 tests its own server).
+SERVED_ENGINE = ["--disable-overlap"]
+# The tiny server: room for 40+ requests at once, a 1024-token context (the tiny models' own).
+TINY_ARGS = ["--pool-size", "4096", "--max-running-requests", "48", *SERVED_ENGINE]
+DEFAULT_ARGS = ["--pool-size", "2048", *SERVED_ENGINE]
+# A chat template that uses a message's name (the tiny models' own, plus " name" after the role).
+NAMED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The guarded server: every guard tight enough for a test to reach it quickly.
+GUARD_KEY = "sk-stage9-test"
+GUARD_LIMITS = dict(
+    max_request_bytes=65536,
+    max_running_requests=2,
+    max_queued_requests=1,
+    read_timeout=2,
+    keep_alive_timeout=1,
+    request_timeout=3,
+    health_timeout=1,
+    max_connections=16,
+)
+GUARD_ARGS = [
+    "--pool-size",
+    "4096",
+    *SERVED_ENGINE,
+    *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()],
+]
 
 
 class Server:
@@ -38,8 +69,15 @@ class Server:
     pytest's own temporary folder, which keeps the last three runs (a failure can be read there
     afterwards) and deletes older ones."""
 
-    def __init__(self, model: Path, args: list[str], log_dir: Path, new_session: bool = False, debug: bool = True,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        model: Path,
+        args: list[str],
+        log_dir: Path,
+        new_session: bool = False,
+        debug: bool = True,
+        api_key: str | None = None,
+    ):
         self.model = model
         self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
@@ -54,8 +92,9 @@ class Server:
             problem = str(error)
         self.stop()
         if "did not answer" in problem:
-            problem += (" (the machine may be busy: raise ENGINE_SERVER_START_TIMEOUT, in seconds, "
-                        f"now {STARTUP_TIMEOUT_S:g})")
+            problem += (
+                f" (the machine may be busy: raise ENGINE_SERVER_START_TIMEOUT, in seconds, now {STARTUP_TIMEOUT_S:g})"
+            )
         pytest.fail(f"the server on {model.name} did not start: {problem}\n{self.why()}", pytrace=False)
 
     def log_text(self) -> str:
@@ -112,11 +151,15 @@ def wait_idle(server: Server, what: str, timeout: float = 20) -> dict:
         time.sleep(0.1)
     untracked = state.get("untracked_requests")
     assert state["running"] == state["waiting"] == 0, (
-        f"{what}: {timeout:.0f} s later the scheduler still has {state['running']} running and {state['waiting']} waiting "
+        f"{what}: {timeout:.0f} s later the scheduler still has {state['running']} running and {state['waiting']} "
+        "waiting "
         "requests: the requests of clients that went away were not aborted"
-        + (f". The engine still runs {untracked}, which the scheduler process no longer tracks: its abort_request "
-           "dropped them from self.reqs without engine.abort_request, so they keep running and hold their KV"
-           if untracked else "")
+        + (
+            f". The engine still runs {untracked}, which the scheduler process no longer tracks: its abort_request "
+            "dropped them from self.reqs without engine.abort_request, so they keep running and hold their KV"
+            if untracked
+            else ""
+        )
     )
     return state
 
@@ -124,12 +167,19 @@ def wait_idle(server: Server, what: str, timeout: float = 20) -> dict:
 def assert_nothing_leaked(state: dict, what: str) -> None:
     """With nothing running: the invariants hold, nothing is tracked or locked, and every KV slot
     is free or held by the radix tree."""
-    assert state["invariants"] == "ok", f"{what}: the scheduler's / radix tree's invariants are broken:\n{state['invariants']}"
-    assert state["tracked_requests"] == 0, f"{what}: the scheduler process still tracks {state['tracked_requests']} requests"
-    assert state["tree_locked_tokens"] == 0, f"{what}: {state['tree_locked_tokens']} cached tokens are still locked by nobody"
+    assert state["invariants"] == "ok", (
+        f"{what}: the scheduler's / radix tree's invariants are broken:\n{state['invariants']}"
+    )
+    assert state["tracked_requests"] == 0, (
+        f"{what}: the scheduler process still tracks {state['tracked_requests']} requests"
+    )
+    assert state["tree_locked_tokens"] == 0, (
+        f"{what}: {state['tree_locked_tokens']} cached tokens are still locked by nobody"
+    )
     held = state["pool_size"] - state["free_slots"]
     assert held == state["tree_cached_tokens"], (
-        f"{what}: nothing runs, yet {held} KV slots are taken while the radix tree holds {state['tree_cached_tokens']}: "
+        f"{what}: nothing runs, yet {held} KV slots are taken while the radix tree holds "
+        f"{state['tree_cached_tokens']}: "
         "an aborted request did not free its KV"
     )
 
@@ -157,12 +207,12 @@ def wait_gone(pids, timeout: float) -> list[int]:
     return alive
 
 
-def offline_engine(path: Path, **knobs) -> Engine:
+def offline_engine(path: Path, **knobs) -> CudaGraphEngine:
     """The same engine in this process (the model and tokenizer loaded once per test session)."""
-    return Engine(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
+    return CudaGraphEngine(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
 
 
-def offline_outputs(engine: Engine, prompts, params):
+def offline_outputs(engine: CudaGraphEngine, prompts, params):
     """engine.generate's outputs; checks nothing was rejected."""
     outputs = engine.generate(prompts, params)
     for i, out in enumerate(outputs):
@@ -182,8 +232,14 @@ def stream_concurrently(server: Server, kind: str, requests_: list[dict]) -> lis
     async def one(aclient: AsyncOpenAI, request: dict):
         create = aclient.chat.completions.create if kind == "chat" else aclient.completions.create
         chunks = [chunk async for chunk in await create(stream=True, **request)]
-        check_stream_shape([chunk.model_dump() for chunk in chunks], kind, request, f"a streamed {kind} request {request}")
-        pieces = [(choice.delta.content or "") if kind == "chat" else choice.text for chunk in chunks for choice in chunk.choices]
+        check_stream_shape(
+            [chunk.model_dump() for chunk in chunks], kind, request, f"a streamed {kind} request {request}"
+        )
+        pieces = [
+            (choice.delta.content or "") if kind == "chat" else choice.text
+            for chunk in chunks
+            for choice in chunk.choices
+        ]
         finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
         return "".join(pieces), (finish[-1] if finish else None)
 
@@ -206,8 +262,9 @@ def check_stream_shape(chunks: list[dict], kind: str, request: dict, what: str) 
     assert not problems, f"{what}: " + "; ".join(problems)
 
 
-def post(server: Server, path: str, body=None, data: str | bytes | None = None, timeout: float = 120,
-         stream: bool = False) -> requests.Response:
+def post(
+    server: Server, path: str, body=None, data: str | bytes | None = None, timeout: float = 120, stream: bool = False
+) -> requests.Response:
     headers = {**server.headers, "Content-Type": "application/json"}
     if body is not None:
         data = json.dumps(body)
@@ -216,6 +273,8 @@ def post(server: Server, path: str, body=None, data: str | bytes | None = None, 
 
 def read_sse(response: requests.Response) -> list:
     """The JSON chunks of an SSE answer (checks it ends with data: [DONE])."""
-    events = [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
-    assert events and events[-1] == "[DONE]", f"a stream must end with 'data: [DONE]'; its last events were {events[-2:]}"
+    events = [line[len("data: ") :] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", (
+        f"a stream must end with 'data: [DONE]'; its last events were {events[-2:]}"
+    )
     return [json.loads(e) for e in events[:-1]]

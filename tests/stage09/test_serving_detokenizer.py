@@ -18,15 +18,18 @@ from s09_zmq_serving.detokenizer_manager import DecodeStatus, stop_hold_back
 EOS = 257  # the tiny models' <|im_end|>
 
 
-@pytest.mark.parametrize("text, stops, expected", [
-    ("Sure!\n\nUs", ["\n\nUser:"], 4),  # "\n\nUs" may still become "\n\nUser:"
-    ("Sure!", ["\n\nUser:"], 0),
-    ("ab", ["b", "abc"], 2),  # "ab" is the start of "abc" ("b" alone is a whole stop string, not a start)
-    ("xa", ["a"], 0),  # a complete stop string is not held back: it is cut
-    ("hello wor", ["world", "or not"], 3),  # the longest candidate wins
-    ("", ["x"], 0),
-    ("abc", [], 0),
-])
+@pytest.mark.parametrize(
+    "text, stops, expected",
+    [
+        ("Sure!\n\nUs", ["\n\nUser:"], 4),  # "\n\nUs" may still become "\n\nUser:"
+        ("Sure!", ["\n\nUser:"], 0),
+        ("ab", ["b", "abc"], 2),  # "ab" is the start of "abc" ("b" alone is a whole stop string, not a start)
+        ("xa", ["a"], 0),  # a complete stop string is not held back: it is cut
+        ("hello wor", ["world", "or not"], 3),  # the longest candidate wins
+        ("", ["x"], 0),
+        ("abc", [], 0),
+    ],
+)
 def test_stop_hold_back(text, stops, expected):
     got = stop_hold_back(text, stops)
     assert got == expected, (
@@ -56,7 +59,9 @@ def test_multibyte_characters_are_never_split(tiny_models_root):
         )
     assert "".join(pieces) == text, f"the pieces {pieces} joined give {''.join(pieces)!r}, expected {text!r}"
     first = byte_ids("né")
-    assert pieces[: len(first)] == ["n", "", "é"], f"'né' is 3 byte tokens: expected pieces ['n', '', 'é'], got {pieces[:3]}"
+    assert pieces[: len(first)] == ["n", "", "é"], (
+        f"'né' is 3 byte tokens: expected pieces ['n', '', 'é'], got {pieces[:3]}"
+    )
 
 
 def test_a_possible_stop_string_is_held_back_then_cut(tiny_models_root):
@@ -65,7 +70,8 @@ def test_a_possible_stop_string_is_held_back_then_cut(tiny_models_root):
     status = DecodeStatus(tokenizer, stops=[stop])
     pieces = feed(status, byte_ids("Sure!\n\nUs"))
     assert "".join(pieces) == "Sure!", (
-        f"after 'Sure!\\n\\nUs' with stop string {stop!r} the client may only have seen 'Sure!' (the tail may become the "
+        f"after 'Sure!\\n\\nUs' with stop string {stop!r} the client may only have seen 'Sure!' (the tail may become "
+        "the "
         f"stop string); it got {''.join(pieces)!r}"
     )
     more = feed(status, byte_ids("er:"), FinishReason("stop", matched=stop))
@@ -128,7 +134,9 @@ def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
             break
     final = req.output_text
     what = f"seed {seed}: tokens {req.output_ids}, stop strings {stops}, finish {req.finished_reason}"
-    assert "".join(sent) == final, f"{what}: the pieces joined give {''.join(sent)!r}, the offline engine's text is {final!r}"
+    assert "".join(sent) == final, (
+        f"{what}: the pieces joined give {''.join(sent)!r}, the offline engine's text is {final!r}"
+    )
     for step in range(len(sent)):
         so_far = "".join(sent[: step + 1])
         assert final.startswith(so_far), (

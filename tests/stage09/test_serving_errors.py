@@ -49,67 +49,175 @@ BAD_INPUTS = [
     ("no prompt", COMPLETIONS, {"model": "llama", "max_tokens": 4}, 400, "prompt", ""),
     ("a batch of prompts", COMPLETIONS, {"model": "llama", "prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt", ""),
     ("an unknown model", CHAT, chat(model="gpt-17"), 404, "model", "gpt-17"),
-    ("a prompt longer than the context", COMPLETIONS, {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4}, 400, None, "context"),
-    ("a streamed prompt longer than the context", COMPLETIONS,
-     {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4, "stream": True}, 400, None, "context"),
+    (
+        "a prompt longer than the context",
+        COMPLETIONS,
+        {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4},
+        400,
+        None,
+        "context",
+    ),
+    (
+        "a streamed prompt longer than the context",
+        COMPLETIONS,
+        {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4, "stream": True},
+        400,
+        None,
+        "context",
+    ),
     ("prompt plus max_tokens beyond the context", CHAT, chat(max_tokens=1020), 400, None, "max_new_tokens"),
     # --- hostile values: each must be refused before it reaches a worker (the server stays up) ---
-    ("a lone surrogate in a message", CHAT, chat(messages=[{"role": "user", "content": "Hi \ud800 there"}]), 400,
-     "messages.0.content", "surrogate"),
-    ("a lone surrogate in a content part", CHAT,
-     chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]), 400, "messages.0.content.0.text", "surrogate"),
-    ("a lone surrogate in a completion prompt", COMPLETIONS, {"model": "llama", "prompt": "Hi \udfff", "max_tokens": 4}, 400,
-     "prompt", "surrogate"),
+    (
+        "a lone surrogate in a message",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "Hi \ud800 there"}]),
+        400,
+        "messages.0.content",
+        "surrogate",
+    ),
+    (
+        "a lone surrogate in a content part",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]),
+        400,
+        "messages.0.content.0.text",
+        "surrogate",
+    ),
+    (
+        "a lone surrogate in a completion prompt",
+        COMPLETIONS,
+        {"model": "llama", "prompt": "Hi \udfff", "max_tokens": 4},
+        400,
+        "prompt",
+        "surrogate",
+    ),
     ("a lone surrogate in the model name", CHAT, chat(model="lla\ud800ma"), 400, "model", ""),
     ("a lone surrogate in a stop string", CHAT, chat(stop=["\ud800"]), 400, "stop.0", "surrogate"),
-    ("a lone surrogate in a name", CHAT, chat(messages=[{"role": "user", "content": "Hi", "name": "\udc00"}]), 400,
-     "messages.0.name", ""),
+    (
+        "a lone surrogate in a name",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "Hi", "name": "\udc00"}]),
+        400,
+        "messages.0.name",
+        "",
+    ),
     ("a lone surrogate in a key", CHAT, chat(response_format={"\ud800": 1}), 400, None, "surrogate"),
-    ("top_k beyond int64", COMPLETIONS, {"model": "llama", "prompt": "Hi", "max_tokens": 4, "temperature": 1,
-                                         "top_k": 2**63}, 400, "top_k", "vocabulary"),
+    (
+        "top_k beyond int64",
+        COMPLETIONS,
+        {"model": "llama", "prompt": "Hi", "max_tokens": 4, "temperature": 1, "top_k": 2**63},
+        400,
+        "top_k",
+        "vocabulary",
+    ),
     ("top_k beyond the vocabulary", CHAT, chat(temperature=1, top_k=260), 400, "top_k", "[1, 259]"),
     ("a seed beyond 64 bits", CHAT, chat(seed=2**64), 400, "seed", "2**64 - 1"),
     ("max_tokens beyond the context", CHAT, chat(max_tokens=10**20), 400, "max_tokens", "context"),
-    ("max_completion_tokens beyond the context", CHAT, chat(max_tokens=None, max_completion_tokens=2**70), 400,
-     "max_completion_tokens", "context"),
-    ("temperature NaN", CHAT, '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
-     400, "temperature", "finite"),
-    ("temperature Infinity", CHAT, '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "temperature": 1e999}',
-     400, "temperature", "finite"),
+    (
+        "max_completion_tokens beyond the context",
+        CHAT,
+        chat(max_tokens=None, max_completion_tokens=2**70),
+        400,
+        "max_completion_tokens",
+        "context",
+    ),
+    (
+        "temperature NaN",
+        CHAT,
+        '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+        "finite",
+    ),
+    (
+        "temperature Infinity",
+        CHAT,
+        '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "temperature": 1e999}',
+        400,
+        "temperature",
+        "finite",
+    ),
     ("top_p an integer too big for a float", CHAT, chat(top_p=10**400), 400, "top_p", "finite"),
     ("more stop strings than allowed", CHAT, chat(stop=[f"s{i}" for i in range(17)]), 400, "stop", "at most 16"),
     ("a stop string too long", CHAT, chat(stop=["x" * 257]), 400, "stop", "256"),
     ("a model name too long", CHAT, chat(model="m" * 257), 400, "model", ""),
-    ("more token ids than the context", COMPLETIONS, {"model": "llama", "prompt": [65] * 1025, "max_tokens": 4}, 400,
-     "prompt", "context"),
-    ("a token id beyond int64", COMPLETIONS, {"model": "llama", "prompt": [65, 2**70], "max_tokens": 4}, 400, "prompt", "[0, 259)"),
-    ("a prompt longer than any context could hold (not tokenized)", COMPLETIONS,
-     {"model": "llama", "prompt": "a" * 20000, "max_tokens": 4}, 400, "prompt", "refused without tokenizing"),
-    ("messages longer than any context could hold", CHAT,
-     chat(messages=[{"role": "user", "content": "é" * 7000}, {"role": "user", "content": "é" * 7000}]), 400, "messages",
-     "refused without tokenizing"),
-    ("an integer with 5000 digits", CHAT, '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "seed": '
-     + "9" * 5000 + "}", 400, None, ""),
-    ("JSON nested 100000 deep", CHAT, '{"model": "llama", "messages": ' + "[" * 100000 + "]" * 100000 + "}", 400, None, ""),
+    (
+        "more token ids than the context",
+        COMPLETIONS,
+        {"model": "llama", "prompt": [65] * 1025, "max_tokens": 4},
+        400,
+        "prompt",
+        "context",
+    ),
+    (
+        "a token id beyond int64",
+        COMPLETIONS,
+        {"model": "llama", "prompt": [65, 2**70], "max_tokens": 4},
+        400,
+        "prompt",
+        "[0, 259)",
+    ),
+    (
+        "a prompt longer than any context could hold (not tokenized)",
+        COMPLETIONS,
+        {"model": "llama", "prompt": "a" * 20000, "max_tokens": 4},
+        400,
+        "prompt",
+        "refused without tokenizing",
+    ),
+    (
+        "messages longer than any context could hold",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "é" * 7000}, {"role": "user", "content": "é" * 7000}]),
+        400,
+        "messages",
+        "refused without tokenizing",
+    ),
+    (
+        "an integer with 5000 digits",
+        CHAT,
+        '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "seed": ' + "9" * 5000 + "}",
+        400,
+        None,
+        "",
+    ),
+    (
+        "JSON nested 100000 deep",
+        CHAT,
+        '{"model": "llama", "messages": ' + "[" * 100000 + "]" * 100000 + "}",
+        400,
+        None,
+        "",
+    ),
 ]
 
 
 def assert_good_request_works(server, after: str) -> None:
     answer = post(server, CHAT, chat(max_tokens=3, temperature=0, stream=True))
-    assert answer.status_code == 200, f"after {after}, a good streamed request got {answer.status_code}: {answer.text[:300]}"
+    assert answer.status_code == 200, (
+        f"after {after}, a good streamed request got {answer.status_code}: {answer.text[:300]}"
+    )
     chunks = read_sse(answer)
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert finish == ["length"], f"after {after}, a good request (max_tokens 3) should finish once with 'length'; got {finish}"
+    assert finish == ["length"], (
+        f"after {after}, a good request (max_tokens 3) should finish once with 'length'; got {finish}"
+    )
 
 
 @pytest.mark.parametrize("what, path, body, status, param, words", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(tiny_server, what, path, body, status, param, words):
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
+    tiny_server, what, path, body, status, param, words
+):
     answer = post(tiny_server, path, data=body) if isinstance(body, str) else post(tiny_server, path, body)
-    assert answer.status_code == status, f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
+    assert answer.status_code == status, (
+        f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
+    )
     try:
         error = answer.json()["error"]
     except (ValueError, KeyError, TypeError):
-        raise AssertionError(f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}") from None
+        raise AssertionError(
+            f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}"
+        ) from None
     assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
         f"{what}: the error must hold message, type, param and code; got {error}"
     )
@@ -117,7 +225,9 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(tiny_server
         assert error["param"] == param, f"{what}: the error should name param {param!r}; got {error}"
     assert words in error["message"], f"{what}: the message should say {words!r}; got {error['message']!r}"
     if status == 404:
-        assert error["code"] == "model_not_found", f"{what}: OpenAI's code for an unknown model is 'model_not_found'; got {error}"
+        assert error["code"] == "model_not_found", (
+            f"{what}: OpenAI's code for an unknown model is 'model_not_found'; got {error}"
+        )
     assert_good_request_works(tiny_server, what)
 
 

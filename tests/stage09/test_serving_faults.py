@@ -9,11 +9,10 @@ import json
 
 import pytest
 
-from conftest import TINY_FAMILY
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s09_zmq_serving.io_struct import BatchTokenIDOut, DebugFaultReq, ErrorOut, TokenizedGenerateReqInput
 from s09_zmq_serving.scheduler_process import SchedulerProcess
-from serving_helpers import assert_nothing_leaked, offline_engine, post, wait_idle
+from serving_helpers import TINY_FAMILY, assert_nothing_leaked, offline_engine, post, wait_idle
 
 PREFIX = list(b"You are a test. Answer: ")  # shared by the requests: the radix tree holds it
 
@@ -64,11 +63,6 @@ def test_a_step_that_raises_aborts_its_requests_and_frees_their_kv(tiny_models_r
         hit = {"a", "b", "poison"}
     before = len(outbox.sent)
     outputs = scheduler.run_batch()
-    if engine.has_work and not any(isinstance(m, ErrorOut) for m in outbox.sent[before:]):
-        # an overlapped engine (stage 10) learns that a step failed when it processes it: one step later
-        scheduler.send_outputs(outputs)
-        before = len(outbox.sent)
-        outputs = scheduler.run_batch()
 
     what = f"a step that raised in the {where} (page size {page_size})"
     errors = {m.rid: m for m in outbox.sent[before:] if isinstance(m, ErrorOut)}
@@ -88,9 +82,16 @@ def test_a_step_that_raises_aborts_its_requests_and_frees_their_kv(tiny_models_r
         if not engine.has_work:
             break
         scheduler.send_outputs(scheduler.run_batch())
-    finished = [b.finish_reasons[i] for b in outbox.sent if isinstance(b, BatchTokenIDOut)
-                for i, rid in enumerate(b.rids) if rid == "after" and b.finish_reasons[i] is not None]
-    assert [f.type for f in finished] == ["length"], f"{what}: a request after the failed step should run to its 6 tokens; got {finished}"
+    finished = [
+        b.finish_reasons[i]
+        for b in outbox.sent
+        if isinstance(b, BatchTokenIDOut)
+        for i, rid in enumerate(b.rids)
+        if rid == "after" and b.finish_reasons[i] is not None
+    ]
+    assert [f.type for f in finished] == ["length"], (
+        f"{what}: a request after the failed step should run to its 6 tokens; got {finished}"
+    )
     assert_nothing_leaked(scheduler.debug_state(), what + ", then one good request")
 
 
@@ -106,7 +107,9 @@ def test_a_fault_in_any_process_fails_one_request_and_the_server_goes_on(tiny_se
     what = f"a request during which the {process} raised"
     assert answer.status_code == 500, f"{what}: expected 500, got {answer.status_code}: {answer.text[:300]}"
     error = answer.json()["error"]
-    assert error["type"] == "server_error" and "injected" in error["message"], f"{what}: OpenAI's error body saying why; got {error}"
+    assert error["type"] == "server_error" and "injected" in error["message"], (
+        f"{what}: OpenAI's error body saying why; got {error}"
+    )
     assert server.health().status_code == 200, f"after {what}, /health says {server.health().text[:300]}"
     good = post(server, "/v1/completions", body)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4, (
@@ -115,7 +118,8 @@ def test_a_fault_in_any_process_fails_one_request_and_the_server_goes_on(tiny_se
     assert_nothing_leaked(wait_idle(server, what), what)
     log = server.log_text()
     assert f"[{process}]" in log and "Traceback" in log and "RuntimeError: a fault injected" in log, (
-        f"{what}: its traceback must be in the server's log, on lines naming the {process}; the log ends:\n{log[-1500:]}"
+        f"{what}: its traceback must be in the server's log, on lines naming the {process}; the log "
+        f"ends:\n{log[-1500:]}"
     )
 
 
@@ -128,7 +132,7 @@ def test_a_stream_cut_by_a_fault_ends_with_an_error_event(tiny_server):
     server.arm_fault("scheduler")  # its next step fails
     events += [line for line in lines if line]
     what = "a stream whose step failed midway"
-    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: "):]), (
+    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: ") :]), (
         f"{what}: the stream must end with an event holding OpenAI's error body, then data: [DONE]; its last events "
         f"were {events[-2:]}"
     )

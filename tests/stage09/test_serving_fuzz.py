@@ -16,8 +16,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_FAMILY
-from serving_helpers import assert_nothing_leaked, wait_idle
+from serving_helpers import TINY_FAMILY, assert_nothing_leaked, wait_idle
 from soak_serving import answer_problems, hostile_request
 
 BUDGET_S = float(os.environ.get("FUZZ_BUDGET_S", "20"))
@@ -28,14 +27,21 @@ def test_hostile_bodies_get_openai_answers_and_leave_the_server_whole(tiny_serve
     deadline = time.monotonic() + BUDGET_S
     sent: list[str] = []
 
-    @settings(max_examples=1500, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=1500,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(st.randoms(use_true_random=False))
     def one(rng):
         path, data, body = hostile_request(rng, TINY_FAMILY)  # drawn always: hypothesis replays examples
         if time.monotonic() > deadline:  # the budget is spent: the remaining examples pass unsent
             return
-        answer = session.post(tiny_server.base_url + path, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+        answer = session.post(
+            tiny_server.base_url + path, data=data, headers={"Content-Type": "application/json"}, timeout=60
+        )
         sent.append(str(answer.status_code))
         problems = answer_problems(path, body, answer, {200, 400, 404, 413})
         assert not problems, f"POST {path} with the body {data[:400]!r} got a bad answer: {problems}"
@@ -47,4 +53,6 @@ def test_hostile_bodies_get_openai_answers_and_leave_the_server_whole(tiny_serve
         f"statuses {statuses}"
     )
     assert tiny_server.health().status_code == 200, f"after the fuzz /health says {tiny_server.health().text[:300]}"
-    assert_nothing_leaked(wait_idle(tiny_server, f"after {len(sent)} hostile bodies"), f"after {len(sent)} hostile bodies")
+    assert_nothing_leaked(
+        wait_idle(tiny_server, f"after {len(sent)} hostile bodies"), f"after {len(sent)} hostile bodies"
+    )

@@ -13,20 +13,25 @@ import pytest
 import requests
 from openai import AuthenticationError, OpenAI
 
-from conftest import GUARD_KEY, GUARD_LIMITS, TINY_FAMILY
-from serving_helpers import assert_nothing_leaked, post, wait_idle
+from serving_helpers import GUARD_KEY, GUARD_LIMITS, TINY_FAMILY, assert_nothing_leaked, post, wait_idle
 
 COMPLETIONS = "/v1/completions"
 GOOD = {"model": TINY_FAMILY, "prompt": "Hi", "max_tokens": 3, "temperature": 0}
 
 
 def assert_openai_error(answer: requests.Response, status: int, what: str) -> dict:
-    assert answer.status_code == status, f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
+    assert answer.status_code == status, (
+        f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
+    )
     try:
         error = answer.json()["error"]
     except (ValueError, KeyError, TypeError):
-        raise AssertionError(f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}") from None
-    assert set(error) >= {"message", "type", "param", "code"} and error["message"], f"{what}: OpenAI's error fields; got {error}"
+        raise AssertionError(
+            f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}"
+        ) from None
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
+        f"{what}: OpenAI's error fields; got {error}"
+    )
     return error
 
 
@@ -57,7 +62,9 @@ def test_the_body_is_capped_before_it_is_parsed(guarded_server):
             yield b"x" * 1000
         yield b'"}'
 
-    assert_openai_error(post(guarded_server, COMPLETIONS, data=chunks()), 413, "a chunked body over the cap (no Content-Length)")
+    assert_openai_error(
+        post(guarded_server, COMPLETIONS, data=chunks()), 413, "a chunked body over the cap (no Content-Length)"
+    )
     under = post(guarded_server, COMPLETIONS, {**GOOD, "prompt": "y" * (cap // 2)})
     assert under.status_code != 413, f"a body under the cap must not get 413: {under.text[:200]}"
     assert post(guarded_server, COMPLETIONS, GOOD).status_code == 200, "after bodies over the cap a good request failed"
@@ -66,11 +73,16 @@ def test_the_body_is_capped_before_it_is_parsed(guarded_server):
 def test_an_api_key_is_required(guarded_server):
     url = guarded_server.base_url
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": GUARD_KEY}):
-        error = assert_openai_error(requests.post(url + COMPLETIONS, json=GOOD, headers=headers, timeout=30), 401,
-                                    f"a request with headers {headers}")
+        error = assert_openai_error(
+            requests.post(url + COMPLETIONS, json=GOOD, headers=headers, timeout=30),
+            401,
+            f"a request with headers {headers}",
+        )
         assert error["code"] == "invalid_api_key", f"OpenAI's code for a bad key is 'invalid_api_key': {error}"
     assert_openai_error(requests.get(url + "/debug/state", timeout=30), 401, "/debug/state without the key")
-    assert requests.get(url + "/health", timeout=30).status_code == 200, "/health must answer without a key (load balancers)"
+    assert requests.get(url + "/health", timeout=30).status_code == 200, (
+        "/health must answer without a key (load balancers)"
+    )
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(**GOOD)
     answer = OpenAI(base_url=url + "/v1", api_key=GUARD_KEY, max_retries=0).completions.create(**GOOD)
@@ -89,7 +101,9 @@ def test_overload_is_answered_503_with_retry_after(guarded_server):
     answer = post(server, COMPLETIONS, GOOD)
     what = f"a request beyond the {in_flight} the server accepts at once"
     error = assert_openai_error(answer, 503, what)
-    assert answer.headers.get("Retry-After", "").isdigit(), f"{what}: a 503 must say when to retry (Retry-After): {answer.headers}"
+    assert answer.headers.get("Retry-After", "").isdigit(), (
+        f"{what}: a 503 must say when to retry (Retry-After): {answer.headers}"
+    )
     assert "overloaded" in error["message"], f"{what}: the message should say the server is overloaded: {error}"
     for thread, _ in waiting:
         thread.join(30)
@@ -109,11 +123,15 @@ def test_slow_clients_are_cut_off(guarded_server):
         assert sock.recv(1000) == b"", "a connection whose headers never finish must be closed"
         assert time.monotonic() - start < limit + 5, f"it must be closed within the read timeout ({limit} s)"
     with socket.create_connection((host, port)) as sock:  # headers, then one byte of a 100-byte body
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GUARD_KEY}\r\n"
-                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {GUARD_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+        )
         sock.settimeout(limit + 10)
         head = sock.recv(1000)
-        assert head.startswith(b"HTTP/1.1 408"), f"a body that stops arriving must get 408 after {limit} s; got {head[:100]!r}"
+        assert head.startswith(b"HTTP/1.1 408"), (
+            f"a body that stops arriving must get 408 after {limit} s; got {head[:100]!r}"
+        )
     idle = GUARD_LIMITS["keep_alive_timeout"]
     with socket.create_connection((host, port)) as sock:  # one request answered, then the connection idles
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -122,7 +140,9 @@ def test_slow_clients_are_cut_off(guarded_server):
         while piece and not answer.endswith(b'{"status":"ok"}'):  # the head, then the body
             piece = sock.recv(1000)
             answer += piece
-        assert answer.startswith(b"HTTP/1.1 200"), f"a kept-alive connection should get its answer; got {answer[:100]!r}"
+        assert answer.startswith(b"HTTP/1.1 200"), (
+            f"a kept-alive connection should get its answer; got {answer[:100]!r}"
+        )
         start = time.monotonic()
         assert sock.recv(1000) == b"" and time.monotonic() - start < idle + 5, (
             f"an idle kept-alive connection must be closed after the keep-alive timeout ({idle} s)"
@@ -134,7 +154,9 @@ def test_connections_beyond_the_limit_get_503(guarded_server):
     idle = [socket.create_connection(("127.0.0.1", guarded_server.process.port)) for _ in range(limit)]
     try:
         answer = requests.get(guarded_server.base_url + "/health", timeout=30)
-        assert answer.status_code == 503, f"with {limit} connections open (--max-connections) a new request must get 503; got {answer.status_code}"
+        assert answer.status_code == 503, (
+            f"with {limit} connections open (--max-connections) a new request must get 503; got {answer.status_code}"
+        )
     finally:
         for sock in idle:
             sock.close()
@@ -159,7 +181,9 @@ def test_health_says_503_while_the_scheduler_is_stuck(guarded_server):
     assert "scheduler" in error["message"], f"/health should name the stuck process: {error}"
     thread.join(30)
     assert_nothing_leaked(wait_idle(server, "a stuck step"), "a stuck step")
-    assert server.health().status_code == 200, f"once the step is over /health must say ok: {server.health().text[:200]}"
+    assert server.health().status_code == 200, (
+        f"once the step is over /health must say ok: {server.health().text[:200]}"
+    )
 
 
 def test_a_request_past_its_timeout_is_aborted_and_its_kv_freed(guarded_server):
@@ -182,7 +206,9 @@ def test_a_message_name_is_used_or_refused(tiny_server, default_server):
     there a name would be dropped without a word: it is refused instead."""
     plain = {"model": TINY_FAMILY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
     named = {**plain, "messages": [{"role": "user", "content": "Hi", "name": "ada"}]}
-    counts = [post(tiny_server, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"] for body in (plain, named)]
+    counts = [
+        post(tiny_server, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"] for body in (plain, named)
+    ]
     assert counts[1] == counts[0] + len(" ada"), (
         f"a template that prints the name must get it: the prompt should grow by ' ada' (4 tokens); prompt_tokens "
         f"without and with the name: {counts}"

@@ -9,7 +9,15 @@ from openai import OpenAI
 
 from reference import engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from serving_helpers import check_stream_shape, greedy, offline_engine, offline_outputs, post, read_sse, stream_concurrently
+from serving_helpers import (
+    check_stream_shape,
+    greedy,
+    offline_engine,
+    offline_outputs,
+    post,
+    read_sse,
+    stream_concurrently,
+)
 
 COMPLETION_PROMPTS = ["Hello", "héllo wörld ☃ 中文", "The quick brown fox jumps", "a\nb\n\nc"]
 
@@ -38,7 +46,9 @@ def run(client: OpenAI, kind: str, stream: bool, **request):
 
 def assert_same_answer(got, expected, what: str) -> None:
     text, finish, usage = got
-    assert text == expected.text, f"{what}: the server answered {text!r}, the offline engine's text is {expected.text!r}"
+    assert text == expected.text, (
+        f"{what}: the server answered {text!r}, the offline engine's text is {expected.text!r}"
+    )
     assert finish == expected.finish_reason.type, (
         f"{what}: finish_reason {finish!r}, but the offline engine's request ended with {expected.finish_reason}"
     )
@@ -59,9 +69,14 @@ def stop_string_from(text: str) -> str | None:
 def test_models_lists_the_served_model(tiny_server):
     client = client_for(tiny_server)
     names = [m.id for m in client.models.list()]
-    assert names == [tiny_server.model.name], f"GET /v1/models should list the one served model {tiny_server.model.name!r}; got {names}"
+    assert names == [tiny_server.model.name], (
+        f"GET /v1/models should list the one served model {tiny_server.model.name!r}; got {names}"
+    )
     # the listed name is usable (and the server is alive enough to answer)
-    assert run(client, "completion", False, model=names[0], prompt="Hi", max_tokens=2, temperature=0)[2].completion_tokens == 2
+    assert (
+        run(client, "completion", False, model=names[0], prompt="Hi", max_tokens=2, temperature=0)[2].completion_tokens
+        == 2
+    )
 
 
 def test_completions_equal_the_offline_engine(tiny_server):
@@ -81,8 +96,16 @@ def test_completions_equal_the_offline_engine(tiny_server):
         for stop, reference in cases:
             for stream in (False, True):
                 what = f"completion of {prompt!r} (greedy, max_tokens 12, stop {stop!r}, stream={stream})"
-                got = run(client, "completion", stream, model=path.name, prompt=prompt, max_tokens=12, temperature=0,
-                          **({"stop": stop} if stop else {}))
+                got = run(
+                    client,
+                    "completion",
+                    stream,
+                    model=path.name,
+                    prompt=prompt,
+                    max_tokens=12,
+                    temperature=0,
+                    **({"stop": stop} if stop else {}),
+                )
                 assert_same_answer(got, reference, what)
     assert with_stop >= 2, "the test should have exercised stop strings on at least two prompts"
 
@@ -93,8 +116,16 @@ def test_token_id_prompts_and_ignore_eos(tiny_server):
     ids = [72, 105, 32, 226, 152]  # ends inside a character
     [expected] = offline_outputs(engine, [ids], greedy(10, ignore_eos=True))
     for stream in (False, True):
-        got = run(client, "completion", stream, model=path.name, prompt=ids, max_tokens=10, temperature=0,
-                  extra_body={"ignore_eos": True})
+        got = run(
+            client,
+            "completion",
+            stream,
+            model=path.name,
+            prompt=ids,
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert_same_answer(got, expected, f"a prompt of token ids {ids}, ignore_eos, stream={stream}")
 
 
@@ -105,9 +136,23 @@ def test_sampled_requests_with_a_seed_equal_the_offline_engine(tiny_server):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.02, seed=1234, max_new_tokens=16)
     [expected] = offline_outputs(engine, [messages], params)
     for stream in (False, True):
-        got = run(client, "chat", stream, model=path.name, messages=messages, max_tokens=16, temperature=0.9, top_p=0.95,
-                  seed=1234, extra_body={"top_k": 50, "min_p": 0.02})
-        assert_same_answer(got, expected, f"a sampled chat (temperature 0.9, top_p 0.95, top_k 50, min_p 0.02, seed 1234), stream={stream}")
+        got = run(
+            client,
+            "chat",
+            stream,
+            model=path.name,
+            messages=messages,
+            max_tokens=16,
+            temperature=0.9,
+            top_p=0.95,
+            seed=1234,
+            extra_body={"top_k": 50, "min_p": 0.02},
+        )
+        assert_same_answer(
+            got,
+            expected,
+            f"a sampled chat (temperature 0.9, top_p 0.95, top_k 50, min_p 0.02, seed 1234), stream={stream}",
+        )
 
 
 def test_chat_on_the_default_model_equals_the_offline_engine(default_server):
@@ -115,11 +160,15 @@ def test_chat_on_the_default_model_equals_the_offline_engine(default_server):
     engine = offline_engine(path, pool_size=2048)
     conversations = [
         [{"role": "user", "content": "What is 2 + 2? Answer with just the number."}],
-        [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "Write two lines about the sea."}],
+        [
+            {"role": "system", "content": "You are a poet."},
+            {"role": "user", "content": "Write two lines about the sea."},
+        ],
     ]
     expected = offline_outputs(engine, conversations, greedy(24))
     assert {out.finish_reason.type for out in expected} == {"stop", "length"}, (
-        f"the workload should end once on EOS and once on max_tokens; the offline engine gave {[str(o.finish_reason) for o in expected]}"
+        "the workload should end once on EOS and once on max_tokens; the offline engine gave "
+        f"{[str(o.finish_reason) for o in expected]}"
     )
     words = expected[1].text.split()
     stop = " " + words[len(words) // 2]
@@ -127,8 +176,19 @@ def test_chat_on_the_default_model_equals_the_offline_engine(default_server):
     for stream in (False, True):
         for messages, reference in zip(conversations, expected):
             got = run(client, "chat", stream, model=path.name, messages=messages, max_tokens=24, temperature=0)
-            assert_same_answer(got, reference, f"chat {messages[-1]['content']!r} (greedy, max_tokens 24, stream={stream})")
-        got = run(client, "chat", stream, model=path.name, messages=conversations[1], max_tokens=24, temperature=0, stop=[stop, "zzz"])
+            assert_same_answer(
+                got, reference, f"chat {messages[-1]['content']!r} (greedy, max_tokens 24, stream={stream})"
+            )
+        got = run(
+            client,
+            "chat",
+            stream,
+            model=path.name,
+            messages=conversations[1],
+            max_tokens=24,
+            temperature=0,
+            stop=[stop, "zzz"],
+        )
         assert_same_answer(got, stopped, f"chat with stop strings {[stop, 'zzz']!r} (stream={stream})")
 
 
@@ -144,10 +204,13 @@ def test_40_concurrent_streaming_clients(tiny_server):
     for i, ((text, finish), reference) in enumerate(zip(answers, expected)):
         what = f"concurrent client {i} of 40 (prompt {prompts[i]!r}, max_tokens {limits[i]})"
         assert (text, finish) == (reference.text, reference.finish_reason.type), (
-            f"{what}: got {text!r} ({finish}), the offline engine gives {reference.text!r} ({reference.finish_reason.type})"
+            f"{what}: got {text!r} ({finish}), the offline engine gives {reference.text!r} "
+            f"({reference.finish_reason.type})"
         )
     state = tiny_server.debug_state()
-    assert state["invariants"] == "ok", f"after 40 concurrent requests the scheduler's checks fail: {state['invariants']}"
+    assert state["invariants"] == "ok", (
+        f"after 40 concurrent requests the scheduler's checks fail: {state['invariants']}"
+    )
     assert state["running"] == state["waiting"] == 0, f"after every answer arrived, requests still run or wait: {state}"
 
 
@@ -155,8 +218,11 @@ def test_40_concurrent_streaming_clients(tiny_server):
 def test_a_stream_has_a_usage_chunk_only_when_asked(tiny_server, kind):
     """Read off the wire (the openai client would hide an extra chunk): the usage-only chunk comes
     with stream_options.include_usage true, last, and never otherwise."""
-    path, prompt = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}) if kind == "chat" else (
-        "/v1/completions", {"prompt": "Hi"})
+    path, prompt = (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        if kind == "chat"
+        else ("/v1/completions", {"prompt": "Hi"})
+    )
     base = {"model": tiny_server.model.name, "max_tokens": 5, "temperature": 0, "stream": True, **prompt}
     for options in (None, {"include_usage": False}, {"include_usage": True}):
         body = {**base, **({} if options is None else {"stream_options": options})}

@@ -11,12 +11,32 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 def test_fields_become_sampling_params():
-    request = ChatCompletionRequest(model="m", messages=MESSAGES, max_tokens=7, temperature=0.5, top_p=0.9, top_k=5,
-                                    min_p=0.1, seed=3, stop="END", ignore_eos=True)
+    request = ChatCompletionRequest(
+        model="m",
+        messages=MESSAGES,
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=3,
+        stop="END",
+        ignore_eos=True,
+    )
     params, fill = to_sampling_params(request)
-    got = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-               min_p=params.min_p, seed=params.seed, stop=params.stop, ignore_eos=params.ignore_eos)
-    expected = dict(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["END"], ignore_eos=True)
+    got = dict(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        stop=params.stop,
+        ignore_eos=params.ignore_eos,
+    )
+    expected = dict(
+        max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["END"], ignore_eos=True
+    )
     assert got == expected, f"the request's fields should map onto SamplingParams as {expected}, got {got}"
     assert fill is False, "max_tokens was given, so the request must not be told to run to the end of the context"
 
@@ -28,7 +48,9 @@ def test_defaults_and_max_completion_tokens():
         f"fields left out keep SamplingParams' defaults (temperature 1, top_p 1, top_k -1, no stop), got "
         f"{(params.temperature, params.top_p, params.top_k, params.stop)}"
     )
-    params, fill = to_sampling_params(ChatCompletionRequest(model="m", messages=MESSAGES, max_completion_tokens=9, stop=["a", "b"]))
+    params, fill = to_sampling_params(
+        ChatCompletionRequest(model="m", messages=MESSAGES, max_completion_tokens=9, stop=["a", "b"])
+    )
     assert (params.max_new_tokens, fill, params.stop) == (9, False, ["a", "b"]), (
         f"max_completion_tokens=9 is max_tokens' newer name: expected max_new_tokens 9, got {params.max_new_tokens}"
     )
@@ -37,10 +59,20 @@ def test_defaults_and_max_completion_tokens():
     assert caught.value.param == "max_completion_tokens", "max_tokens=5 with max_completion_tokens=9 must be refused"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
-    ("top_k", 0), ("min_p", 2), ("seed", -1), ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -0.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("min_p", 2),
+        ("seed", -1),
+        ("stop", [""]),
+    ],
+)
 def test_impossible_values_are_refused_naming_the_field(field, value):
     request = ChatCompletionRequest(model="m", messages=MESSAGES, **{"max_tokens": 4, field: value})
     try:

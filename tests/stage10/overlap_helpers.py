@@ -11,13 +11,13 @@ import torch
 from invariants import check_all, watch_evict
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s08_cuda_graph.engine import Engine as Stage8Engine
-from s10_overlap_scheduling.engine import Engine
+from s08_cuda_graph.engine import CudaGraphEngine
+from s10_overlap_scheduling.engine import OverlapEngine
 
 
 def engine_on(path, stage: int = 10, **knobs):
     """A stage-10 (or stage-8) engine on a tiny model; knobs go to its constructor."""
-    cls = Engine if stage == 10 else Stage8Engine
+    cls = OverlapEngine if stage == 10 else CudaGraphEngine
     engine = cls(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
     if engine.tree_cache is not None:
         watch_evict(engine.tree_cache)
@@ -41,7 +41,7 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
     (each must be running or waiting then). Returns (requests, streams: rid -> streamed tokens)."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    streams = {req.rid: [] for req in reqs}
+    streams: dict = {req.rid: [] for req in reqs}
     ended = set()
     steps = 0
     with torch.inference_mode():
@@ -53,12 +53,16 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
             except IndexError as error:
                 raise AssertionError(
                     f"{where}: step() raised IndexError ({error}): did a future id (negative) reach the model? "
-                    "resolve must replace each one, in the batch's own input_ids, before the forward") from error
+                    "resolve must replace each one, in the batch's own input_ids, before the forward"
+                ) from error
             for out in outputs:
-                assert out.rid not in ended, f"{where}: request {out.rid} got tokens {out.new_token_ids} after its stream had ended"
+                assert out.rid not in ended, (
+                    f"{where}: request {out.rid} got tokens {out.new_token_ids} after its stream had ended"
+                )
                 assert all(t >= 0 for t in out.new_token_ids), (
-                    f"{where}: request {out.rid} streamed {out.new_token_ids}: a future id (negative) reached the user; "
-                    "it must be replaced by the token step N sampled before the output is made")
+                    f"{where}: request {out.rid} streamed {out.new_token_ids}: a future id (negative) reached the "
+                    "user; it must be replaced by the token step N sampled before the output is made"
+                )
                 streams[out.rid] += out.new_token_ids
                 if out.finish_reason is not None:
                     ended.add(out.rid)
@@ -68,15 +72,19 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
                 raise AssertionError(
                     f"{error}\n  (a common cause under overlap: a request that finished at step N, but was already in "
                     "step N+1 in flight, must be released only when step N+1 is processed, dropping that step's "
-                    "extra position then)") from None
+                    "extra position then)"
+                ) from None
             for rid in (aborts or {}).get(steps, []):
-                assert engine.abort_request(rid), f"{where}: abort_request({rid!r}) found no such request waiting or running"
+                assert engine.abort_request(rid), (
+                    f"{where}: abort_request({rid!r}) found no such request waiting or running"
+                )
                 ended.add(rid)
             assert steps < max_steps, f"{what}: the engine still has work after {max_steps} steps: is a request stuck?"
     for req in reqs:
         if req.finished_reason.type != "abort":
             assert streams[req.rid] == req.output_ids, (
-                f"{what}: request {req.rid} streamed {streams[req.rid]} but holds {req.output_ids} at the end")
+                f"{what}: request {req.rid} streamed {streams[req.rid]} but holds {req.output_ids} at the end"
+            )
     return reqs, streams
 
 
@@ -88,8 +96,11 @@ def assert_pool_free_after_tree(engine, what: str) -> None:
     tree_pages = len(torch.unique(engine.scheduler.prefix_cache.cached_slots().reshape(-1) // allocator.page_size))
     assert allocator.size - allocator.available_size() == tree_pages * allocator.page_size, (
         f"{what}: idle, {allocator.size - allocator.available_size()} slots are not free but the tree holds "
-        f"{tree_pages * allocator.page_size}: a request that ended under overlap did not free what it held")
-    assert len(pool.free_slots) == pool.size, f"{what}: idle, but table rows {sorted(set(range(pool.size)) - set(pool.free_slots))} are not free"
+        f"{tree_pages * allocator.page_size}: a request that ended under overlap did not free what it held"
+    )
+    assert len(pool.free_slots) == pool.size, (
+        f"{what}: idle, but table rows {sorted(set(range(pool.size)) - set(pool.free_slots))} are not free"
+    )
 
 
 def tree_paths(cache) -> list[list[int]]:

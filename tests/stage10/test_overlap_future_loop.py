@@ -28,7 +28,8 @@ def test_future_map_resolves_placeholders_only():
     futures.resolve(ids)
     assert ids.tolist() == [3, 99, 250, 17, 0, 0, 5], (
         "resolve must replace each negative id -k by the token stored at k and leave every real token id as it is, "
-        f"in place; got {ids.tolist()}")
+        f"in place; got {ids.tolist()}"
+    )
     assert futures.alloc(1) == [-1], "the buffer is a ring: after its capacity it starts again at -1"
     with pytest.raises(ValueError, match="capacity"):
         futures.alloc(5)
@@ -75,22 +76,40 @@ def test_step_n_plus_1_is_launched_before_step_n_is_processed(tiny_models_root, 
         while engine.has_work:
             engine.step()
     if disable_overlap:
-        assert [out.new_token_ids for out in first] == [req.output_ids[:1]], "without overlap a step returns its own token"
+        assert [out.new_token_ids for out in first] == [req.output_ids[:1]], (
+            "without overlap a step returns its own token"
+        )
         assert log == [(kind, n) for n in range(1, 5) for kind in ("launch", "process")], log
         assert all(before == 0 for before, _, _ in passes), f"without overlap no input is a future id: {passes}"
         return
-    assert first == [], ("with overlap the first step() launches step 1 and returns before its results exist: "
-                         f"it returned {first}")
-    assert log == [("launch", 1), ("launch", 2), ("process", 1), ("launch", 3), ("process", 2), ("launch", 4),
-                   ("process", 3), ("process", 4)], (
+    assert first == [], (
+        f"with overlap the first step() launches step 1 and returns before its results exist: it returned {first}"
+    )
+    assert log == [
+        ("launch", 1),
+        ("launch", 2),
+        ("process", 1),
+        ("launch", 3),
+        ("process", 2),
+        ("launch", 4),
+        ("process", 3),
+        ("process", 4),
+    ], (
         f"the loop's order was {log}: with overlap step N+1 is launched before step N is processed, and a request "
-        "whose last token (max_new_tokens) is in flight is not scheduled again")
+        "whose last token (max_new_tokens) is in flight is not scheduled again"
+    )
     assert [before for before, _, _ in passes] == [0, 1, 1, 1], (
         f"future ids fed per forward: {[b for b, _, _ in passes]}; the prefill feeds none, each decode feeds the "
-        "future id of the token step N has not returned yet")
+        "future id of the token step N has not returned yet"
+    )
     assert all(after == 0 for _, after, _ in passes), "a future id was still negative after resolve"
-    assert all(thread is not threading.main_thread() for _, _, thread in passes), "the forward must run on the worker thread"
-    assert req.output_ids == engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    assert all(thread is not threading.main_thread() for _, _, thread in passes), (
+        "the forward must run on the worker thread"
+    )
+    assert (
+        req.output_ids
+        == engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    )
 
 
 def test_between_steps_a_decoding_request_ends_with_a_future_id(tiny_models_root):
@@ -103,5 +122,6 @@ def test_between_steps_a_decoding_request_ends_with_a_future_id(tiny_models_root
         engine.step()
     futures = [req.output_ids[-1] for req in reqs]
     assert all(f < 0 for f in futures) and len(set(futures)) == 2, (
-        f"after two steps each request should end with its own future id (negative): {[r.output_ids for r in reqs]}")
+        f"after two steps each request should end with its own future id (negative): {[r.output_ids for r in reqs]}"
+    )
     assert all(t >= 0 for req in reqs for t in req.output_ids[:-1])

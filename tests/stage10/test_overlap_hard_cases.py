@@ -41,25 +41,36 @@ def test_a_request_finished_but_already_scheduled_drops_its_extra_token(tiny_mod
         reqs, streams = run_checked(engine, prompts, params, what)
         for i, (req, ref) in enumerate(zip(reqs, expected)):
             assert_same_tokens(streams[req.rid], ref, f"{what}: request {i}'s stream (it stops on token {ref[-1]})")
-            assert req.finished_reason.type == "stop", f"{what}: request {i} ended with {req.finished_reason}, not its stop token"
+            assert req.finished_reason.type == "stop", (
+                f"{what}: request {i} ended with {req.finished_reason}, not its stop token"
+            )
         dropped = engine.scheduler.dropped_tokens
         if disable_overlap:
-            assert dropped == 0, f"{what}: {dropped} tokens were dropped, but without overlap nothing runs after its end"
+            assert dropped == 0, (
+                f"{what}: {dropped} tokens were dropped, but without overlap nothing runs after its end"
+            )
         else:
-            assert dropped > 0, (f"{what}: no request ran a step after its stop token, so the finished-but-scheduled "
-                                 "case never happened: is step N+1 really scheduled before step N is processed?")
+            assert dropped > 0, (
+                f"{what}: no request ran a step after its stop token, so the finished-but-scheduled "
+                "case never happened: is step N+1 really scheduled before step N is processed?"
+            )
         assert_pool_free_after_tree(engine, what)
         assert tree_paths(engine.tree_cache) == tree_paths(stage8.tree_cache), (
-            f"{what}: the radix tree holds other token paths than stage 8's after the same requests: a finished request "
-            "must insert its K/V once, with its real tokens, for all positions but its last (the dropped step's "
-            "extra position is freed, never inserted)")
+            f"{what}: the radix tree holds other token paths than stage 8's after the same requests: a finished "
+            "request must insert its K/V once, with its real tokens, for all positions but its last (the dropped "
+            "step's extra position is freed, never inserted)"
+        )
 
 
 def test_a_stop_string_under_overlap(tiny_models_root):
     path = tiny_models_root / "qwen2"
     # a prompt whose fourth greedy token is a printable byte: that character is the stop string
-    prompt, full = next((p, f) for p, f in ((random_prompt(9, seed=s), None) for s in range(200))
-                        for f in [hf_greedy(path, p, 10)] if 32 <= f[3] < 127)
+    prompt, full = next(
+        (p, f)
+        for p, f in ((random_prompt(9, seed=s), None) for s in range(200))
+        for f in [hf_greedy(path, p, 10)]
+        if 32 <= f[3] < 127
+    )
     stop = chr(full[3])
     engine = engine_on(path, pool_size=512)
     [req], streams = run_checked(engine, [prompt], [greedy(10, stop=[stop])], "qwen2, stop string")
@@ -74,11 +85,22 @@ def test_a_stop_string_under_overlap(tiny_models_root):
 def test_aborts_in_flight_half_prefilled_and_waiting(tiny_models_root, disable_overlap):
     path = tiny_models_root / "qwen3"
     what = f"qwen3, aborts, {'no ' if disable_overlap else ''}overlap"
-    prompts = [random_prompt(6, seed=1), random_prompt(60, seed=2), random_prompt(7, seed=3),
-               random_prompt(5, seed=4), random_prompt(9, seed=5)]
+    prompts = [
+        random_prompt(6, seed=1),
+        random_prompt(60, seed=2),
+        random_prompt(7, seed=3),
+        random_prompt(5, seed=4),
+        random_prompt(9, seed=5),
+    ]
     limits = [20, 8, 9, 6, 7]
-    engine = engine_on(path, disable_overlap=disable_overlap, pool_size=512, page_size=4, chunked_prefill_size=16,
-                       max_running_requests=3)
+    engine = engine_on(
+        path,
+        disable_overlap=disable_overlap,
+        pool_size=512,
+        page_size=4,
+        chunked_prefill_size=16,
+        max_running_requests=3,
+    )
     scheduler = engine.scheduler
     original_abort = engine.abort_request
     seen = {}
@@ -86,7 +108,13 @@ def test_aborts_in_flight_half_prefilled_and_waiting(tiny_models_root, disable_o
     def abort(rid):
         holders = [*scheduler.running, *scheduler.waiting, *([scheduler.chunked_req] if scheduler.chunked_req else [])]
         req = next(r for r in holders if r.rid == rid)
-        state = "waiting" if req in scheduler.waiting else "half" if req.cached_len < len(req.origin_input_ids) else "running"
+        state = (
+            "waiting"
+            if req in scheduler.waiting
+            else "half"
+            if req.cached_len < len(req.origin_input_ids)
+            else "running"
+        )
         in_flight = scheduler.last is not None and any(r is req for r in scheduler.last.batch.reqs)
         seen[rid] = (state, in_flight)
         return original_abort(rid)
@@ -96,10 +124,16 @@ def test_aborts_in_flight_half_prefilled_and_waiting(tiny_models_root, disable_o
     # half prefilled; request 4 waits (3 rows)
     reqs, streams = run_checked(engine, prompts, [greedy(n) for n in limits], what, aborts={2: [0], 3: [1, 4]})
     for i in (0, 1, 4):
-        assert reqs[i].finished_reason.type == "abort", f"{what}: request {i} ended with {reqs[i].finished_reason}, not abort"
-        assert all(t >= 0 for t in reqs[i].output_ids), f"{what}: aborted request {i} kept a future id: {reqs[i].output_ids}"
+        assert reqs[i].finished_reason.type == "abort", (
+            f"{what}: request {i} ended with {reqs[i].finished_reason}, not abort"
+        )
+        assert all(t >= 0 for t in reqs[i].output_ids), (
+            f"{what}: aborted request {i} kept a future id: {reqs[i].output_ids}"
+        )
     for i in (2, 3):
-        assert_same_tokens(reqs[i].output_ids, hf_greedy(path, prompts[i], limits[i]), f"{what}: request {i} vs transformers")
+        assert_same_tokens(
+            reqs[i].output_ids, hf_greedy(path, prompts[i], limits[i]), f"{what}: request {i} vs transformers"
+        )
     assert seen[0][0] == "running" and seen[1][0] == "half" and seen[4][0] == "waiting", f"{what}: test set-up: {seen}"
     if not disable_overlap:
         assert seen[0][1], f"{what}: request 0 was meant to be aborted while in the step in flight (test set-up)"
@@ -129,8 +163,12 @@ def test_a_failed_forward_under_overlap_leaves_nothing_untrusted(tiny_models_roo
         for _ in range(10):
             engine.step()
     aborted = engine.abort_failed_step()
-    assert {req.rid for req in aborted} == {req.rid for req in reqs}, f"{what}: every request of the failed steps must end"
-    assert all(t >= 0 for req in reqs for t in req.output_ids), f"{what}: a future id stayed: {[r.output_ids for r in reqs]}"
+    assert {req.rid for req in aborted} == {req.rid for req in reqs}, (
+        f"{what}: every request of the failed steps must end"
+    )
+    assert all(t >= 0 for req in reqs for t in req.output_ids), (
+        f"{what}: a future id stayed: {[r.output_ids for r in reqs]}"
+    )
     assert not engine.has_work
     engine.scheduler.check_invariants()
     assert_pool_free_after_tree(engine, what)
@@ -139,4 +177,6 @@ def test_a_failed_forward_under_overlap_leaves_nothing_untrusted(tiny_models_roo
     prompts = [prompt + req.output_ids + [33] for prompt, req in zip(prompts, reqs)]
     again, _ = run_checked(engine, prompts, [greedy(6)] * 3, f"{what}, the same prompts again")
     for i, (req, prompt) in enumerate(zip(again, prompts)):
-        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 6), f"{what}: request {i} after the failure vs transformers")
+        assert_same_tokens(
+            req.output_ids, hf_greedy(path, prompt, 6), f"{what}: request {i} after the failure vs transformers"
+        )

@@ -30,9 +30,13 @@ def test_greedy_tokens_identical_to_transformers(tiny_model_dir, disable_overlap
 def mixed_workload():
     """Greedy and seeded requests of assorted lengths, one of them sharing a prefix with others."""
     shared = random_prompt(19, seed=5)
-    prompts = [random_prompt(n, seed=40 + n) for n in (3, 30, 11, 1)] + [shared + random_prompt(n, seed=n) for n in (2, 13, 7)]
+    prompts = [random_prompt(n, seed=40 + n) for n in (3, 30, 11, 1)] + [
+        shared + random_prompt(n, seed=n) for n in (2, 13, 7)
+    ]
     params = [
-        greedy(7) if i % 2 else SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, max_new_tokens=5 + i, ignore_eos=True)
+        greedy(7)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, max_new_tokens=5 + i, ignore_eos=True)
         for i in range(len(prompts))
     ]
     return prompts, params
@@ -53,13 +57,19 @@ def test_every_knob_gives_the_tokens_of_stage_8(tiny_models_root, page_size):
     prompts, params = mixed_workload()
     for name, knobs in KNOBS.items():
         base = f"qwen3, page_size={page_size}, {name}"
-        reference, _ = run_checked(engine_on(path, stage=8, page_size=page_size, **knobs), prompts, params, f"{base}, stage 8")
+        reference, _ = run_checked(
+            engine_on(path, stage=8, page_size=page_size, **knobs), prompts, params, f"{base}, stage 8"
+        )
         for disable_overlap in (False, True):
             what = f"{base}, {'no ' if disable_overlap else ''}overlap"
             engine = engine_on(path, page_size=page_size, disable_overlap=disable_overlap, **knobs)
             reqs, _ = run_checked(engine, prompts, params, what)
             for i, (req, ref) in enumerate(zip(reqs, reference)):
-                assert_same_tokens(req.output_ids, ref.output_ids, f"{what}: request {i} ({params[i]}) vs stage 8's engine")
+                assert_same_tokens(
+                    req.output_ids, ref.output_ids, f"{what}: request {i} ({params[i]}) vs stage 8's engine"
+                )
             if "small-pool" in name:
-                assert engine.scheduler.stats.num_retractions > 0, f"{what}: the pool was meant to be too small, yet nothing was retracted"
+                assert engine.scheduler.stats.num_retractions > 0, (
+                    f"{what}: the pool was meant to be too small, yet nothing was retracted"
+                )
             assert_pool_free_after_tree(engine, what)

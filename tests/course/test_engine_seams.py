@@ -1,0 +1,98 @@
+"""The engines' seams on the reference (not graded): config objects, each stage's own class names,
+and the named policy for a leaving request's K/V."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference import engine_model, engine_tokenizer
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s05_continuous_batching.engine import ContinuousBatchingEngine, EngineConfig
+from s05_continuous_batching.prefix_cache import NoPrefixCache
+from s05_continuous_batching.scheduler import Scheduler
+from s06_radix_cache.engine import RadixEngine, RadixEngineConfig
+from s06_radix_cache.radix_cache import RadixCache
+from s06_radix_cache.scheduler import RadixScheduler
+
+REPO = Path(__file__).resolve().parents[2]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+
+
+def test_every_stage_package_names_its_engine_and_keeps_the_alias_engine():
+    import s05_continuous_batching.engine as s05
+    import s06_radix_cache.engine as s06
+    import s07_chunked_prefill.engine as s07
+    import s08_cuda_graph.engine as s08
+    import s10_overlap_scheduling.engine as s10
+
+    classes = [s05.Engine, s06.Engine, s07.Engine, s08.Engine, s10.Engine]
+    names = ["ContinuousBatchingEngine", "RadixEngine", "ChunkedPrefillEngine", "CudaGraphEngine", "OverlapEngine"]
+    assert [c.__name__ for c in classes] == names
+    assert all(issubclass(later, earlier) for earlier, later in zip(classes, classes[1:]))
+
+
+def test_no_class_of_the_course_is_imported_under_another_name():
+    renamed = []
+    for path in sorted((REPO / "solutions").rglob("*.py")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            found = re.match(r"\s*from (?:s\d\d_\w+|\.)\S* import (\w+) as (\w+)", line)  # the course's own
+            if found and found.group(1)[:1].isupper():
+                renamed.append(f"{path.relative_to(REPO)}: {line.strip()}")
+    assert not renamed, "\n".join(renamed)
+
+
+def test_an_engine_takes_its_config_or_the_fields_as_keyword_arguments(tiny_models_root):
+    path = str(tiny_models_root / "llama")
+    model, tokenizer = engine_model(path), engine_tokenizer(path)
+    by_object = RadixEngine(model, tokenizer, RadixEngineConfig(pool_size=96, enable_radix_cache=False))
+    by_keywords = RadixEngine(model, tokenizer, pool_size=96, enable_radix_cache=False)
+    assert by_object.config == by_keywords.config and by_object.tree_cache is None
+    replaced = RadixEngine(model, tokenizer, RadixEngineConfig(pool_size=96), pool_size=128)
+    assert replaced.config.pool_size == 128 and replaced.runner.allocator.size == 128
+    with pytest.raises(TypeError, match="RadixEngine takes a RadixEngineConfig, got a EngineConfig"):
+        RadixEngine(model, tokenizer, EngineConfig(pool_size=96))
+    with pytest.raises(TypeError, match="chunked_prefill_size"):
+        ContinuousBatchingEngine(model, tokenizer, chunked_prefill_size=8)  # a later stage's field
+
+
+class RecordingCache:
+    """Wraps a prefix cache; records the insert each leaving request's K/V were offered with."""
+
+    def __init__(self, cache):
+        self.cache, self.inserts = cache, []
+
+    def cache_finished_req(self, token_ids, slots, match, insert):
+        self.inserts.append(insert)
+        self.cache.cache_finished_req(token_ids, slots, match, insert)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+@pytest.mark.parametrize(
+    "scheduler_class, cache_class, expected",
+    [
+        (Scheduler, NoPrefixCache, {"aborted": False, "finished": True}),
+        (RadixScheduler, RadixCache, {"aborted": True, "finished": True}),
+    ],
+)
+def test_what_a_leaver_offers_the_prefix_cache_is_the_schedulers_named_policy(
+    tiny_models_root, scheduler_class, cache_class, expected
+):
+    path = str(tiny_models_root / "llama")
+    engine = ContinuousBatchingEngine(engine_model(path), engine_tokenizer(path), pool_size=128)
+    cache = RecordingCache(cache_class(engine.runner.allocator))
+    scheduler = scheduler_class(engine.runner, cache)
+    with torch.inference_mode():
+        for rid in ("a", "b"):
+            scheduler.add_request(engine.make_req([5, 6, 7, 8], GREEDY, rid=rid))
+        scheduler.step()
+        assert scheduler.abort_request("a")
+        while scheduler.has_work:
+            scheduler.step()
+    assert cache.inserts == [expected["aborted"], expected["finished"]]
+    assert {"finished"} <= scheduler.keep_kv_of and ("aborted" in scheduler.keep_kv_of) == expected["aborted"]
