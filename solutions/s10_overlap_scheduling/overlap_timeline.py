@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from s05_continuous_batching.engine import RequestOutput
 
+from .engine import OverlapEngine
 from .scheduler import StepTiming
 
 
@@ -64,14 +65,10 @@ def compare(model, tokenizer, prompts, params, repeats: int = 1, **knobs) -> dic
     """The same requests on two engines over one model, overlap off and on, each run ``repeats``
     times after a warm-up, the two modes taking turns (so that a busy machine slows both alike); the
     fastest run of each is kept. Returns {"off"|"on": (run, summary)}."""
-    from .engine import Engine
-
-    engines = {name: Engine(model, tokenizer, disable_overlap=name == "off", **knobs) for name in ("off", "on")}
+    engines = {name: OverlapEngine(model, tokenizer, disable_overlap=name == "off", **knobs) for name in ("off", "on")}
     runs: dict[str, list[TimedRun]] = {name: [] for name in engines}
     for engine in engines.values():
-        engine.generate(
-            prompts[:2], params[:2] if isinstance(params, list) else params
-        )  # warm-up (and the worker's start)
+        engine.generate(prompts[:2], params[:2] if isinstance(params, list) else params)  # warm-up, the worker's start
     for _ in range(repeats):
         for name, engine in engines.items():
             runs[name].append(timed_generate(engine, prompts, params))
