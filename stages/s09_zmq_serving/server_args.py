@@ -42,7 +42,12 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
         "flag",
         "run every decode eagerly (stage 8; by default graphs run on CUDA only)",
     ),
-    ("--disable-overlap", "disable_overlap", "flag", "schedule each step after its forward, not during it (stage 10)"),
+    (
+        "--disable-overlap",
+        "disable_overlap",
+        "flag",
+        "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 10's overlap)",
+    ),
     (
         "--torch-threads",
         "torch_threads",
