@@ -56,6 +56,7 @@ STEPS = [
     Step("engine-bfloat16", 45, "the same in bfloat16 (a difference only where eager's top two logits tie)"),
     Step("sdpa-kernel", 40, "the SDPA kernel the graph decode selects; which others accept its shapes"),
     Step("decode-latency", 110, "decode step latency: stage 4's loop, batched eager, graph; batch 1, 8, 32, 64"),
+    Step("overlap", 40, "stage 10's overlapped engine (worker stream, graphs): stage 8's tokens; throughput off vs on"),
 ]
 # The second run (--full): with the default model installed from the offline bundle.
 FULL_PARTS = [

@@ -45,6 +45,7 @@ from s08_cuda_graph.decode_latency import (  # noqa: E402
 )
 from s08_cuda_graph.engine import Engine  # noqa: E402
 from s08_cuda_graph.model_runner import GraphModelRunner  # noqa: E402
+from s10_overlap_scheduling.engine import OverlapEngine  # noqa: E402
 
 READ_SLOTS = 16384  # K/V slots filled with random values that decodes read and never write
 
@@ -308,6 +309,58 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
             )
 
 
+# --- stage 10: the overlapped engine on its forward stream ---------------------------------------
+
+
+@torch.inference_mode()
+def step_overlap(ctx: Checks) -> None:
+    """Stage 10's engine (worker thread + its own CUDA stream, graphs replayed inside the worker):
+    the tokens of stage 8's engine, and the throughput with overlap off vs on (the GPU figure the
+    lesson waits for)."""
+    label, shape = ctx.shapes()[0]
+    model = random_model(shape, ctx.device, torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    count, new = (4, 8) if ctx.quick else (32, 64)
+    prompts = [torch.randint(0, shape["vocab_size"], (16,), generator=generator).tolist() for _ in range(count)]
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    max_bs, max_kv = ctx.graph_limits()
+    knobs: dict[str, Any] = dict(
+        pool_size=8192,
+        max_running_requests=count,
+        cuda_graph_max_bs=max_bs,
+        cuda_graph_max_kv_len=max_kv,
+        disable_cuda_graph=False,
+    )
+    with ctx.check(f"{label}: overlapped engine tokens = stage 8's; throughput overlap off vs on") as record:
+        expected = [o.output_ids for o in Engine(model, None, **knobs).generate(prompts, params)]
+        seconds = {}
+        for name in ("off", "on"):
+            engine = OverlapEngine(model, None, disable_overlap=name == "off", **knobs)
+            engine.generate(prompts[:2], params)  # warm-up
+            start = time.perf_counter()
+            got = [o.output_ids for o in engine.generate(prompts, params)]
+            seconds[name] = time.perf_counter() - start
+            assert got == expected, f"overlap {name}: tokens differ from stage 8's engine"
+            if name == "on":
+                paths = dict(engine.runner.forward_paths)
+                assert paths.get("graph", 0) > 0, f"no decode replayed a graph inside the worker: {paths}"
+                assert (engine.scheduler.worker.stream is not None) == (ctx.device.type == "cuda"), (
+                    "the worker's stream"
+                )
+        tokens = count * new
+        record["data"] = {
+            "requests": count,
+            "new_tokens": new,
+            "seconds": seconds,
+            "paths": paths,
+            "tokens_per_s": {k: tokens / v for k, v in seconds.items()},
+        }
+        record["detail"] = (
+            f"tokens identical; {tokens / seconds['off']:.0f} tok/s off, {tokens / seconds['on']:.0f} on "
+            f"({seconds['off'] / seconds['on']:.2f}x), decodes {paths}"
+        )
+
+
 # --- which SDPA kernel the graph decode runs ----------------------------------------------------
 
 
@@ -414,6 +467,7 @@ def run(name: str, result_file: Path, rehearsal: bool, quick: bool) -> int:
         "engine-bfloat16": lambda: step_engine(ctx, torch.bfloat16),
         "sdpa-kernel": lambda: step_sdpa(ctx),
         "decode-latency": lambda: step_latency(ctx),
+        "overlap": lambda: step_overlap(ctx),
     }
     steps[name]()
     return 0 if all(c["status"] != "FAIL" for c in ctx.done) else 1

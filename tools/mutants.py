@@ -644,6 +644,62 @@ MUTANTS: list[Mutant] = [
         edit("raise InvalidRequest(str(error), param=param) from None", "raise InvalidRequest(str(error)) from None"),
         r"param",
     ),
+    # --- stage 10: overlap scheduling --------------------------------------------------------------
+    Mutant(
+        "s10-resolve-not-in-place",
+        "s10_overlap_scheduling/future_map.py",
+        "the future ids are replaced IN the batch's input ids, which the forward then reads",
+        edit(
+            "input_ids.copy_(torch.where(future, looked_up, input_ids))",
+            "input_ids = torch.where(future, looked_up, input_ids)",
+        ),
+        r"resolve|future",
+    ),
+    Mutant(
+        "s10-resolve-wrong-slot",
+        "s10_overlap_scheduling/future_map.py",
+        "a future id -k names slot k of the buffer (negated, not used as it is)",
+        edit(
+            "looked_up = self.token_ids[(-input_ids).clamp(min=0)]",
+            "looked_up = self.token_ids[input_ids.clamp(min=0)]",
+        ),
+        r"resolve|future",
+    ),
+    Mutant(
+        "s10-always-wait",
+        "s10_overlap_scheduling/scheduler.py",
+        "step N is processed AFTER step N+1 is launched (waiting first is the plain loop: nothing overlaps)",
+        edit(
+            "        if self.last is not None and self.must_wait_for_last():\n"
+            "            outputs += self.process_last()\n        launched",
+            "        if self.last is not None:\n            outputs += self.process_last()\n        launched",
+        ),
+        r"launched before|order|scheduled before",
+    ),
+    Mutant(
+        "s10-keep-future-of-ended",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request that ended drops the future id of the step in flight from its output ids",
+        edit(
+            "                self.drop_future(req, future_id)\n                self.release_ended(req)",
+            "                self.release_ended(req)",
+        ),
+        r"future id",
+    ),
+    Mutant(
+        "s10-release-while-in-flight",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request finished at step N but already in step N+1 is released only when step N+1 is processed",
+        edit("                if id(req) in in_flight:", "                if False:"),
+        r"in flight|release|row|double",
+    ),
+    Mutant(
+        "s10-insert-extra-position",
+        "s10_overlap_scheduling/scheduler.py",
+        "a finished request drops the position the extra step stored: the tree gets what stage 8 inserts",
+        edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len"),
+        r"tree|insert|extra",
+    ),
 ]
 
 

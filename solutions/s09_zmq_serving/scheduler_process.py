@@ -37,7 +37,7 @@ import torch
 import zmq
 
 from s02_request_and_sampling.req import FinishReason
-from s08_cuda_graph.engine import Engine  # the newest stage's engine: this one line picks what is served
+from s08_cuda_graph.engine import CudaGraphEngine
 
 from .io_struct import (
     AbortReq,
@@ -56,16 +56,24 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_engine(model: str, knobs: dict[str, Any]) -> Engine:
+def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
+    """The engine the server runs: the newest stage's, stage 10's overlapped one; with
+    ``--disable-overlap``, stage 8's, the same engine without the overlapped loop. Stage 10 is
+    imported only when it is served, so this stage (and its tests, which pass
+    ``--disable-overlap``) needs nothing beyond stage 9."""
     knobs = dict(knobs)
     if isinstance(knobs.get("dtype"), str):
         if knobs["dtype"] not in DTYPES:
             raise ValueError(f"--dtype {knobs['dtype']!r} is not one of {sorted(DTYPES)}")
         knobs["dtype"] = DTYPES[knobs["dtype"]]
-    return Engine(model, **knobs)
+    if knobs.pop("disable_overlap", False):
+        return CudaGraphEngine(model, **knobs)
+    from s10_overlap_scheduling.engine import OverlapEngine  # here, not at the top: see the docstring
+
+    return OverlapEngine(model, **knobs)
 
 
-def context_len(engine: Engine) -> int:
+def context_len(engine: CudaGraphEngine) -> int:
     """The longest sequence (prompt + generated) one request may reach on this engine."""
     runner = engine.runner
     return min(
@@ -76,7 +84,7 @@ def context_len(engine: Engine) -> int:
 class SchedulerProcess:
     def __init__(
         self,
-        engine: Engine,
+        engine: CudaGraphEngine,
         recv_from_tokenizer: zmq.Socket,
         send_to_detokenizer: zmq.Socket,
         heartbeats: Heartbeats | None = None,
@@ -253,9 +261,10 @@ class SchedulerProcess:
         """Counts and the invariant checks, between two steps (for /debug/state)."""
         scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
         tree = getattr(self.engine, "tree_cache", None)
-        in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()]]
+        in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()] if not req.finished]
         return {
-            "running": len(scheduler.running),
+            # running: every request that holds memory (the half-prefilled one, one that waits for a step in flight)
+            "running": len(scheduler.reqs_holding_memory()),
             "waiting": len(scheduler.waiting),
             "tracked_requests": len(self.reqs),
             # requests the engine still runs that this process forgot (an abort that did not end them there)

@@ -43,6 +43,12 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
         "run every decode eagerly (stage 8; by default graphs run on CUDA only)",
     ),
     (
+        "--disable-overlap",
+        "disable_overlap",
+        "flag",
+        "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 10's overlap)",
+    ),
+    (
         "--torch-threads",
         "torch_threads",
         int,

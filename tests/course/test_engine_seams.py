@@ -4,6 +4,8 @@ and the named policy for a leaving request's K/V."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +29,10 @@ def test_every_stage_package_names_its_engine_and_keeps_the_alias_engine():
     import s06_radix_cache.engine as s06
     import s07_chunked_prefill.engine as s07
     import s08_cuda_graph.engine as s08
+    import s10_overlap_scheduling.engine as s10
 
-    classes = [s05.Engine, s06.Engine, s07.Engine, s08.Engine]
-    names = ["ContinuousBatchingEngine", "RadixEngine", "ChunkedPrefillEngine", "CudaGraphEngine"]
+    classes = [s05.Engine, s06.Engine, s07.Engine, s08.Engine, s10.Engine]
+    names = ["ContinuousBatchingEngine", "RadixEngine", "ChunkedPrefillEngine", "CudaGraphEngine", "OverlapEngine"]
     assert [c.__name__ for c in classes] == names
     assert all(issubclass(later, earlier) for earlier, later in zip(classes, classes[1:]))
 
@@ -95,3 +98,23 @@ def test_what_a_leaver_offers_the_prefix_cache_is_the_schedulers_named_policy(
             scheduler.step()
     assert cache.inserts == [expected["aborted"], expected["finished"]]
     assert {"finished"} <= scheduler.keep_kv_of and ("aborted" in scheduler.keep_kv_of) == expected["aborted"]
+
+
+def test_stage_9s_servers_need_nothing_beyond_stage_9(tiny_models_root):
+    """Stage 9's tests start their servers with --disable-overlap, which builds stage 8's engine and
+    never imports stage 10: a learner who finished stage 9 but not stage 10 passes `make stage-9`.
+    (Without the flag the server runs stage 10's engine, the newest; stage 10's tests check that.)"""
+    from stage09.serving_helpers import DEFAULT_ARGS, GUARD_ARGS, SERVED_ENGINE, TINY_ARGS
+
+    assert SERVED_ENGINE == ["--disable-overlap"]
+    assert all(set(SERVED_ENGINE) <= set(args) for args in (TINY_ARGS, DEFAULT_ARGS, GUARD_ARGS))
+    model = str(tiny_models_root / "llama")
+    code = (
+        "import sys\n"
+        "from s09_zmq_serving.scheduler_process import build_engine\n"
+        f"engine = build_engine({model!r}, dict(disable_overlap=True, pool_size=64))\n"
+        "print(type(engine).__name__, sorted(m for m in sys.modules if m.startswith('s10_')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["CudaGraphEngine", "[]"], done.stdout

@@ -22,7 +22,7 @@ from openai import AsyncOpenAI
 
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s09_zmq_serving.scheduler_process import Engine  # the engine the server runs
+from s08_cuda_graph.engine import CudaGraphEngine  # the engine these servers run (SERVED_ENGINE)
 from s09_zmq_serving.server_process import ServerProcess
 from soak_serving import stream_problems
 
@@ -30,9 +30,12 @@ STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
 
 TINY_FAMILY = "llama"
+# Every stage-9 server serves stage 8's engine: without --disable-overlap the server runs stage
+# 10's, and stage 9's tests must pass with stages 1-9 written (stage 10 tests its own server).
+SERVED_ENGINE = ["--disable-overlap"]
 # The tiny server: room for 40+ requests at once, a 1024-token context (the tiny models' own).
-TINY_ARGS = ["--pool-size", "4096", "--max-running-requests", "48"]
-DEFAULT_ARGS = ["--pool-size", "2048"]
+TINY_ARGS = ["--pool-size", "4096", "--max-running-requests", "48", *SERVED_ENGINE]
+DEFAULT_ARGS = ["--pool-size", "2048", *SERVED_ENGINE]
 # A chat template that uses a message's name (the tiny models' own, plus " name" after the role).
 NAMED_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['name'] %} {{ m['name'] }}{% endif %}\n"
@@ -50,7 +53,12 @@ GUARD_LIMITS = dict(
     health_timeout=1,
     max_connections=16,
 )
-GUARD_ARGS = ["--pool-size", "4096", *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()]]
+GUARD_ARGS = [
+    "--pool-size",
+    "4096",
+    *SERVED_ENGINE,
+    *[f"--{name.replace('_', '-')}={value}" for name, value in GUARD_LIMITS.items()],
+]
 
 
 class Server:
@@ -199,12 +207,12 @@ def wait_gone(pids, timeout: float) -> list[int]:
     return alive
 
 
-def offline_engine(path: Path, **knobs) -> Engine:
+def offline_engine(path: Path, **knobs) -> CudaGraphEngine:
     """The same engine in this process (the model and tokenizer loaded once per test session)."""
-    return Engine(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
+    return CudaGraphEngine(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
 
 
-def offline_outputs(engine: Engine, prompts, params):
+def offline_outputs(engine: CudaGraphEngine, prompts, params):
     """engine.generate's outputs; checks nothing was rejected."""
     outputs = engine.generate(prompts, params)
     for i, out in enumerate(outputs):
