@@ -97,16 +97,13 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(config)
-        # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.rotary = RotaryEmbedding(config)
+class DecoderLM(nn.Module):
+    """What every decoder model here shares: a ``model`` (embedding, layers, norm), ``rotary``,
+    and the forward over a ForwardBatch; subclasses build them and say how logits are computed
+    (stage 12 builds the same shape from tensor-parallel layers)."""
+
+    model: nn.Module
+    rotary: RotaryEmbedding
 
     @property
     def device(self) -> torch.device:
@@ -116,8 +113,12 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def compute_logits(self, x: torch.Tensor):
+        """Float32 logits from the final hidden states."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its logits are computed (compute_logits)")
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False):
         """Run the batch's new tokens through the decoder.
 
         Returns float32 logits ``[num_reqs, vocab]`` at each request's last new token (the only
@@ -132,6 +133,20 @@ class CausalLM(nn.Module):
         ):  # a decode's rows are its last tokens
             last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
             x = x[last]
-        x = self.model.norm(x)
+        return self.compute_logits(self.model.norm(x))
+
+
+class CausalLM(DecoderLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from s00_foundation.config import ModelConfig
-from s00_foundation.forward_batch import ForwardBatch, ForwardMode
-from s00_foundation.model import RMSNorm
+from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.model import DecoderLM, RMSNorm
 from s00_foundation.rope import RotaryEmbedding, apply_rotary
 
 from .layers import (
@@ -119,7 +119,7 @@ class TPDecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class TPCausalLM(nn.Module):
+class TPCausalLM(DecoderLM):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
         self.full_config, self.tp = config, tp
@@ -130,23 +130,7 @@ class TPCausalLM(nn.Module):
         self.lm_head = ParallelLMHead("lm_head", config.vocab_size, config.hidden_size, tp, tied)
         self.rotary = RotaryEmbedding(config)
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor | None:
-        """As the foundation's ``CausalLM.forward`` on rank 0 (float32 logits at each request's
-        last new token, or at every token); None on the other ranks."""
-        x = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch)
-        if not return_all_logits and batch.forward_mode is not ForwardMode.DECODE:
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
-        return self.lm_head(self.model.norm(x))
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits on rank 0 (the gather of every rank's slice of the vocabulary); None on
+        the other ranks. The rest of the forward is the foundation's (s00 ``DecoderLM``)."""
+        return self.lm_head(x)

@@ -15,7 +15,6 @@ So a 2-rank group reads the checkpoint once between its ranks, plus the small re
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,22 +23,11 @@ from safetensors import safe_open
 
 from s00_foundation.config import ModelConfig
 from s00_foundation.device import default_dtype
-from s00_foundation.loader import resolve_model_path
+from s00_foundation.loader import checkpoint_files, resolve_model_path
 
 from .layers import Shard
 from .model import TPCausalLM
 from .parallel_state import TPGroup
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not names:
-        raise FileNotFoundError(f"{folder} has no *.safetensors weights")
-    return [folder / n for n in names]
 
 
 def read_shard(handle, name: str, shard: Shard) -> torch.Tensor:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, sampled
 
+from s02_request_and_sampling.sampler import sample
+from s10_overlap_scheduling import overlap_worker
 from s12_tensor_parallel.engine import TPEngine
 
 FAMILIES_UNDER_TP = ("llama", "qwen2", "qwen3", "llama_gqa_bias")
@@ -37,7 +39,8 @@ def test_greedy_tokens_equal_one_device(tp2):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, (
             f"{path.name}, tp=2, prompt {i} ({len(PROMPTS[i])} tokens): greedy tokens {g}, one device's {e}; "
-            "check each rank's heads (head_ranges), the row-parallel all-reduce and the logits' gather"
+            "check each rank's heads (head_ranges), the row-parallel all-reduce, the vocabulary-parallel embedding "
+            "and the logits' gather"
         )
     assert engine.scheduler.stats.cached_tokens > cached_before, (
         f"{path.name}: the prompts sharing a 24-token prefix found nothing in the radix cache under TP"
@@ -81,4 +84,21 @@ def test_each_rank_holds_its_share_of_the_kv_cache(tp2):
     assert qkv.shape[0] == (full.num_attention_heads // 2 + 2 * expected) * d, (
         f"{path.name}: rank 0's qkv_proj has {qkv.shape[0]} rows, expected its half of the query heads and "
         f"{expected} KV head(s) for k and v, of {d} rows each"
+    )
+
+
+def test_rank_0_samples_from_the_whole_vocabulary_and_nothing_more(tp2, monkeypatch):
+    path, engine = tp2
+    seen = []
+
+    def recording_sample(logits, reqs):
+        seen.append(tuple(logits.shape))
+        return sample(logits, reqs)
+
+    monkeypatch.setattr(overlap_worker, "sample", recording_sample)
+    engine.generate(PROMPTS[:2], sampled(2, seed=7))
+    vocab = engine.model.full_config.vocab_size
+    assert seen and all(shape[-1] == vocab for shape in seen), (
+        f"{path.name}: rank 0 sampled from logits of shapes {seen}; the gathered logits must cover exactly the "
+        f"vocabulary ({vocab}): every rank's slice, in rank order, without the padding rows past the vocabulary"
     )

@@ -8,11 +8,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
-from reference import engine_model, engine_tokenizer  # noqa: E402
-from serving_helpers import Server, greedy, offline_outputs, stream_concurrently, wait_gone  # noqa: E402
 from tp_helpers import KNOBS, children_of  # noqa: E402
 
+from reference import engine_model, engine_tokenizer  # noqa: E402
 from s10_overlap_scheduling.engine import OverlapEngine  # noqa: E402
+from serving_helpers import Server, greedy, offline_outputs, stream_concurrently, wait_gone  # noqa: E402
 
 
 def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_path_factory):
@@ -32,7 +32,10 @@ def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_
         requests_ = [dict(model=path.name, prompt=p, max_tokens=n, temperature=0) for p, n in zip(prompts, limits)]
         answers = stream_concurrently(server, "completions", requests_)
         for (text, finish), ref, prompt in zip(answers, expected, prompts):
-            assert text == ref.text, f"--tp-size 2, prompt {prompt!r}: streamed {text!r}, one device {ref.text!r}"
+            assert (text, finish) == (ref.text, ref.finish_reason.type), (
+                f"--tp-size 2, prompt {prompt!r}: streamed {text!r} ({finish}), one device "
+                f"{ref.text!r} ({ref.finish_reason.type})"
+            )
     finally:
         server.stop()
     left = wait_gone(ranks, timeout=15)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from s00_foundation.config import ModelConfig
+from s12_tensor_parallel.engine import TPEngine
 from s12_tensor_parallel.layers import head_ranges
 from s12_tensor_parallel.parallel_state import TPGroup
 from s12_tensor_parallel.weight_loader import load_tp_model
@@ -85,3 +86,10 @@ def test_shards_reassemble_to_the_checkpoint(tiny_models_root, family, tp):
     assert ranks[0].config.num_key_value_heads == kv_rows // d, (
         f"{family}, tp={tp}: a rank's config should count its own KV heads (its KV pool is built from it)"
     )
+
+
+def test_an_unsplittable_model_is_refused_before_any_process_starts(tiny_models_root):
+    # qwen3's tiny model: 4 query heads, 2 KV heads; 3 ranks cannot split either
+    with pytest.raises(ValueError) as error:
+        TPEngine(str(tiny_models_root / "qwen3"), tp_size=3, pool_size=64)
+    assert "tp_size=3" in str(error.value), f"the error should name tp_size=3: {error.value}"
