@@ -4,7 +4,8 @@ and where a step's time goes (compute vs communication).
 The model is split over N processes (gloo on a CPU, one torch thread per rank; NCCL on GPUs).
 For each run it prints the per-step means of rank 0's forward, split into compute and the
 collectives' communication, the step and the throughput, and checks both runs produced the same
-greedy tokens. Under torchrun the other ranks run ``python -m s12_tensor_parallel.tp_worker``.
+greedy tokens. It also runs under torchrun: ``torchrun --nproc-per-node 3 -m s12_tensor_parallel``
+(rank 0 runs this milestone, the other ranks the follower loop).
 """
 
 from __future__ import annotations
@@ -19,17 +20,21 @@ from s00_foundation.paths import default_model_path
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.__main__ import QUESTIONS
 
+from .launch import launched_by_torchrun
 from .tp_timing import measure
+from .tp_worker import follower_main
 
 
 def main() -> None:
+    if launched_by_torchrun() and os.environ.get("RANK") != "0":
+        raise SystemExit(follower_main())  # torchrun started this rank: it only runs the forward
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument(
         "--tp-size",
         type=int,
-        default=3,
+        default=int(os.environ.get("WORLD_SIZE", 3)),
         help="ranks of the tensor-parallel run (SmolLM2-135M: 9 query heads, 3 KV heads)",
     )
     parser.add_argument("--requests", type=int, default=8, help="requests in the batch")

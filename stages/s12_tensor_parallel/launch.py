@@ -3,8 +3,10 @@
 Rank 0 is the process that builds the engine (a script, a test, the server's scheduler
 process). It starts ranks 1..N-1 as fresh interpreters with torchrun's environment (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so they join exactly as torchrun's workers would, then
-joins the group itself as rank 0. (Not ``torch.multiprocessing.spawn``: the server's scheduler is
-a daemonic multiprocessing child, and those may not start children of their own.)
+joins the group itself as rank 0. (Not ``torch.multiprocessing.spawn``: the server's scheduler
+is a daemonic multiprocessing child, and those may not start children of their own.) Under
+``torchrun --nproc-per-node N -m s12_tensor_parallel`` torchrun starts every rank: rank 0 runs
+the engine, which only joins, and the others run the follower loop.
 
 A watchdog thread per rank notes the moment one exits while the group is in use; the next
 collective then fails with a message naming that rank (parallel_state.py), and every follower
@@ -22,9 +24,21 @@ import threading
 
 import torch
 
-from .parallel_state import DEFAULT_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group
+from .parallel_state import (
+    DEFAULT_TIMEOUT_S,
+    TPGroup,
+    TPGroupError,
+    destroy_tp_group,
+    init_tp_group,
+    init_tp_group_from_env,
+)
 
 STOP_TIMEOUT_S = 10.0  # a follower that has not left this long after "stop" is killed
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (it sets TORCHELASTIC_RUN_ID for every rank)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def free_port() -> int:
@@ -40,9 +54,18 @@ class TPLauncher:
         self.stopping = False
 
     def start(self) -> TPGroup:
-        """Start ranks 1..N-1, join the group as rank 0 and return rank 0's TPGroup."""
+        """Start ranks 1..N-1, join the group as rank 0 and return rank 0's TPGroup. Under
+        torchrun, which has started every rank already, only join."""
         if self.tp_size == 1:
             return TPGroup(0, 1, self.device)
+        if launched_by_torchrun():
+            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+            if world != self.tp_size or rank != 0:
+                raise TPGroupError(
+                    f"under torchrun (WORLD_SIZE={world}, RANK={rank}) the engine is built on rank 0 with "
+                    f"tp_size=WORLD_SIZE; the other ranks run tp_worker's follower_main"
+                )
+            return init_tp_group_from_env(self.device, self.timeout_s)
         port = free_port()
         for rank in range(1, self.tp_size):
             env = dict(
