@@ -47,7 +47,10 @@ class TPGroup:
     device_group: Any = None  # None when size == 1: no collective is ever called
     control_group: Any = None
     counts: Counter = field(default_factory=Counter)  # collectives called, by name
-    comm_seconds: float = 0.0  # time spent inside the forward's collectives
+    comm_seconds: float = 0.0  # time spent inside the forward's collectives (on CUDA: when timed)
+    # On CUDA a collective is only queued: timing it means waiting for the device after each one,
+    # which a server must not do. So on CUDA the time is measured only when this is set.
+    time_collectives: bool = False
     failed: str | None = None  # why the group cannot go on (set by rank 0's watchdog or a failed collective)
 
     @property
@@ -104,6 +107,8 @@ class TPGroup:
 
     def _stop(self, start: float) -> None:
         if self.device.type == "cuda":
+            if not self.time_collectives:
+                return
             torch.cuda.synchronize(self.device)  # the time the collective took, not its launch
         self.comm_seconds += time.perf_counter() - start
 

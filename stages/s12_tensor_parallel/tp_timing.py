@@ -1,6 +1,10 @@
 """Where a tensor-parallel step's time goes: rank 0's forward, split into compute and the
 collectives' communication (``TPGroup.comm_seconds``), for tp=1 and tp=N on the same requests.
-Shared by the milestone (``python -m s12_tensor_parallel``) and notebook 12."""
+Shared by the milestone (``python -m s12_tensor_parallel``) and notebook 12.
+
+The runs use the plain loop (``disable_overlap=True``): each step's forward then runs alone, and
+its span in the scheduler's timeline is the forward's own time. (The engine overlaps by default,
+under TP as without it; only this measurement turns it off.)"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from .engine import TPEngine
 def measure(model: str, tp_size: int, prompts, params, **knobs) -> dict:
     """One warm-up request, then the workload; per-step means in milliseconds and the tokens."""
     with TPEngine(model, tp_size=tp_size, disable_overlap=True, **knobs) as engine:
+        engine.tp.time_collectives = True  # on CUDA: wait for each collective to time it
         engine.generate(prompts[:1], params)  # warm-up: first-call allocations
         steps0, comm0 = engine.scheduler.stats.steps, engine.tp.comm_seconds
         start = time.perf_counter()
