@@ -75,10 +75,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
+    ):
+        """``self_attn`` and ``mlp``: other blocks of the same shape (stage 12's tensor-parallel
+        ones); by default this file's."""
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = self_attn if self_attn is not None else Attention(config, layer_id)
+        self.mlp = mlp if mlp is not None else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from s00_foundation.config import ModelConfig
 from s00_foundation.forward_batch import ForwardBatch
-from s00_foundation.model import DecoderLM, RMSNorm
+from s00_foundation.model import DecoderLayer, DecoderLM, RMSNorm
 from s00_foundation.rope import RotaryEmbedding, apply_rotary
 
 from .layers import (
@@ -98,24 +98,14 @@ class TPMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class TPDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup):
-        super().__init__()
-        self.self_attn = TPAttention(config, layer_id, tp)
-        self.mlp = TPMLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class TPDecoderStack(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding("embed_tokens", config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(TPDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, TPAttention(config, i, tp), TPMLP(config, tp))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
