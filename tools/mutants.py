@@ -700,6 +700,62 @@ MUTANTS: list[Mutant] = [
         edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len"),
         r"tree|insert|extra",
     ),
+    # --- stage 12: tensor parallelism ------------------------------------------------------------
+    Mutant(
+        "s12-kv-head-modulo",
+        "s12_tensor_parallel/layers.py",
+        "a replicated KV head goes to the ranks whose query heads read it (rank // replicas)",
+        edit("kv_head = tp.rank // replicas", "kv_head = tp.rank % num_kv_heads"),
+        r"KV head|head_ranges|heads",
+    ),
+    Mutant(
+        "s12-bias-before-all-reduce",
+        "s12_tensor_parallel/layers.py",
+        "a row-parallel layer's bias is added once, after the all-reduce",
+        edit(
+            "        y = self.tp.all_reduce(F.linear(x, self.weight))\n"
+            "        return y if self.bias is None else y + self.bias",
+            "        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))",
+        ),
+        r"all-reduce|bias|row-parallel",
+    ),
+    Mutant(
+        "s12-no-all-reduce",
+        "s12_tensor_parallel/layers.py",
+        "a row-parallel layer's partial products are summed over the ranks",
+        edit("        y = self.tp.all_reduce(F.linear(x, self.weight))", "        y = F.linear(x, self.weight)"),
+        r"all-reduce|row-parallel",
+    ),
+    Mutant(
+        "s12-embedding-unmasked",
+        "s12_tensor_parallel/layers.py",
+        "an embedding rank writes zeros for the ids it does not own",
+        edit(
+            "        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)",
+            "        x = F.embedding(local, self.weight)",
+        ),
+        r"embedding|all-reduce|vocab",
+    ),
+    Mutant(
+        "s12-padding-kept",
+        "s12_tensor_parallel/layers.py",
+        "the gathered logits lose the padding rows past the vocabulary",
+        edit(
+            "        return None if logits is None else logits[:, : self.vocab_size]",
+            "        return logits",
+        ),
+        r"gather|logits|vocab",
+    ),
+    Mutant(
+        "s12-stale-table-rows",
+        "s12_tensor_parallel/tp_worker.py",
+        "a follower writes the table rows that travel with each batch before running it",
+        edit(
+            "            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype, device=device)",
+            "            pass",
+        ),
+        r"greedy|tokens|one device",
+    ),
 ]
 
 

@@ -75,10 +75,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
+    ):
+        """``self_attn`` and ``mlp``: other blocks of the same shape (stage 12's tensor-parallel
+        ones); by default this file's."""
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = self_attn if self_attn is not None else Attention(config, layer_id)
+        self.mlp = mlp if mlp is not None else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,16 +101,13 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(config)
-        # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.rotary = RotaryEmbedding(config)
+class DecoderLM(nn.Module):
+    """What every decoder model here shares: a ``model`` (embedding, layers, norm), ``rotary``,
+    and the forward over a ForwardBatch; subclasses build them and say how logits are computed
+    (stage 12 builds the same shape from tensor-parallel layers)."""
+
+    model: nn.Module
+    rotary: RotaryEmbedding
 
     @property
     def device(self) -> torch.device:
@@ -116,8 +117,12 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def compute_logits(self, x: torch.Tensor):
+        """Float32 logits from the final hidden states."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its logits are computed (compute_logits)")
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, return_all_logits: bool = False):
         """Run the batch's new tokens through the decoder.
 
         Returns float32 logits ``[num_reqs, vocab]`` at each request's last new token (the only
@@ -132,6 +137,20 @@ class CausalLM(nn.Module):
         ):  # a decode's rows are its last tokens
             last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
             x = x[last]
-        x = self.model.norm(x)
+        return self.compute_logits(self.model.norm(x))
+
+
+class CausalLM(DecoderLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()

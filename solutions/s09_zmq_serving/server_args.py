@@ -48,6 +48,7 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
         "flag",
         "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 10's overlap)",
     ),
+    ("--tp-size", "tp_size", int, "tensor-parallel ranks (stage 12; default 1: one process)"),
     (
         "--torch-threads",
         "torch_threads",

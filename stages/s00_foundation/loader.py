@@ -37,17 +37,22 @@ def resolve_model_path(model: str | Path) -> Path:
         raise FileNotFoundError(f"could not fetch {model!r} from the Hugging Face hub: {exc}") from exc
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder (those its index names, when it has one)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        shards = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not shards:
+        names = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not names:
         raise FileNotFoundError(f"{folder} has no *.safetensors weights")
+    return [folder / name for name in names]
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(folder / shard)))
+    for path in checkpoint_files(folder):
+        state.update(load_file(str(path)))
     return state
 
 

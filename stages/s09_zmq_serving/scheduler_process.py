@@ -66,6 +66,11 @@ def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
         if knobs["dtype"] not in DTYPES:
             raise ValueError(f"--dtype {knobs['dtype']!r} is not one of {sorted(DTYPES)}")
         knobs["dtype"] = DTYPES[knobs["dtype"]]
+    if knobs.get("tp_size", 1) > 1:  # stage 12's engine, imported only when asked for
+        from s12_tensor_parallel.engine import TPEngine
+
+        return TPEngine(model, **knobs)
+    knobs.pop("tp_size", None)
     if knobs.pop("disable_overlap", False):
         return CudaGraphEngine(model, **knobs)
     from s10_overlap_scheduling.engine import OverlapEngine  # here, not at the top: see the docstring

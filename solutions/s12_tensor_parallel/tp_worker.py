@@ -1,0 +1,149 @@
+"""What the ranks other than rank 0 run: no scheduler, no sampler, only the forward.
+
+Rank 0 (``TPEngine``, engine.py) schedules; every step it broadcasts the batch it built, and
+every rank runs that batch through its shard of the model (SGLang's ``TpModelWorker`` on each
+rank; there every rank also runs the scheduler on broadcast requests, here the followers only
+mirror what rank 0's runner does)::
+
+    rank 0                                   rank 1..N-1 (this file)
+    schedule, build batch N
+    broadcast BatchMessage(batch N)   ──▶    receive it, write its table rows, rebuild the ForwardBatch
+    forward (all-reduces with everyone) ◀─▶  forward (all-reduces with everyone)
+    gather logits, sample                    (its logits gathered on rank 0)
+    ...
+    broadcast None (stop)             ──▶    leave the loop, leave the group
+
+A follower keeps no requests: the table rows a batch reads travel with it, and the tokens rank 0
+sampled reach the followers as the next batch's input ids. It is started with torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: ``python -m s12_tensor_parallel.tp_worker``),
+by rank 0 (engine.py) or by torchrun itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from s00_foundation.device import set_torch_threads
+from s00_foundation.forward_batch import ForwardBatch, ForwardMode
+
+from .parallel_state import DEFAULT_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group_from_env
+from .weight_loader import load_tp_model
+
+
+@dataclass
+class BatchMessage:
+    """One step's batch as rank 0 broadcasts it: plain lists, no device tensors (a few KB)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    extend_lens: list[int]
+    seq_lens: list[int]
+    req_pool_indices: list[int]
+    out_cache_loc: list[int]
+    forward_mode: ForwardMode
+    table_rows: list[list[int]]  # req_to_token[row, :seq_len] of each request: the slots its K/V live in
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, req_to_token: torch.Tensor) -> "BatchMessage":
+        assert batch.req_pool_indices is not None and batch.out_cache_loc is not None and batch.forward_mode
+        rows = batch.req_pool_indices.tolist()
+        return cls(
+            batch.input_ids.tolist(),
+            batch.positions.tolist(),
+            list(batch.extend_lens),
+            list(batch.seq_lens),
+            rows,
+            batch.out_cache_loc.tolist(),
+            batch.forward_mode,
+            [req_to_token[row, :n].tolist() for row, n in zip(rows, batch.seq_lens)],
+        )
+
+    def to_forward_batch(self, runner) -> ForwardBatch:
+        """The same batch on this rank: its table rows written into this rank's table (the K/V of
+        a token sit in the same slot on every rank, each rank holding its own heads)."""
+        # BEGIN EXERCISE: write the table rows, rebuild the ForwardBatch on this rank [#follower]
+        device = runner.device
+        table = runner.req_to_token_pool.req_to_token
+        for row, slots in zip(self.req_pool_indices, self.table_rows):
+            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype, device=device)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        return ForwardBatch(
+            input_ids=as_tensor(self.input_ids),
+            positions=as_tensor(self.positions),
+            extend_lens=self.extend_lens,
+            seq_lens=self.seq_lens,
+            attn_backend=runner.attn_backend,
+            req_pool_indices=as_tensor(self.req_pool_indices),
+            out_cache_loc=as_tensor(self.out_cache_loc),
+            forward_mode=self.forward_mode,
+        )
+        # END EXERCISE
+
+
+@dataclass
+class RunnerSpec:
+    """What a follower needs to build the same runner as rank 0 (sent once, at start)."""
+
+    model_path: str
+    dtype: torch.dtype
+    config: object  # rank 0's engine config (TPEngineConfig)
+    pool_size: int
+    max_context_len: int
+
+
+def follower_loop(runner, tp: TPGroup) -> int:
+    """Run every batch rank 0 broadcasts until it says stop; returns the number of steps run."""
+    steps = 0
+    while (message := tp.broadcast_object()) is not None:
+        runner.forward(message.to_forward_batch(runner))
+        steps += 1
+    return steps
+
+
+def watch_parent() -> None:
+    """Exit as soon as the process that started this one is gone (a killed rank 0 must not leave
+    followers waiting on a group nobody will ever talk to)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def follower_main() -> int:
+    from .model_runner import make_tp_runner  # it imports this module: import it when run
+
+    rank = int(os.environ.get("RANK", "0"))
+    device_type = os.environ.get("TP_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    set_torch_threads()  # OMP_NUM_THREADS when set (1 per rank on a CPU), else one per physical core
+    watch_parent()
+    tp = init_tp_group_from_env(device, float(os.environ.get("TP_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+    try:
+        with torch.inference_mode():
+            spec: RunnerSpec = tp.broadcast_object()
+            model = load_tp_model(spec.model_path, tp, device, spec.dtype)
+            runner = make_tp_runner(model, spec.config, spec.pool_size, spec.max_context_len, tp)
+            tp.barrier()  # ready: rank 0's engine is built once every rank is
+            follower_loop(runner, tp)
+    except Exception as error:
+        print(f"tensor-parallel rank {rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return 1
+    destroy_tp_group(tp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(follower_main())

@@ -1,0 +1,95 @@
+"""Stage 12 (graded): how a model splits, checked in one process (no group needed: loading
+communicates with nobody). Every rank's slices, put back together, are the checkpoint's tensors;
+heads that cannot be split are refused with both numbers in the message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from s00_foundation.config import ModelConfig
+from s12_tensor_parallel.engine import TPEngine
+from s12_tensor_parallel.layers import head_ranges
+from s12_tensor_parallel.parallel_state import TPGroup
+from s12_tensor_parallel.weight_loader import load_tp_model
+
+
+def group(rank: int, size: int) -> TPGroup:
+    return TPGroup(rank, size, torch.device("cpu"))
+
+
+def test_heads_split_and_kv_heads_replicate():
+    # 8 query heads, 4 KV heads, 2 ranks: 4 + 2 each
+    assert [tuple(map(list, head_ranges(8, 4, group(r, 2)))) for r in range(2)] == [
+        ([0, 1, 2, 3], [0, 1]),
+        ([4, 5, 6, 7], [2, 3]),
+    ]
+    # 4 query heads, 2 KV heads, 4 ranks: each KV head on the two ranks whose query heads read it
+    got = [tuple(map(list, head_ranges(4, 2, group(r, 4)))) for r in range(4)]
+    assert got == [([0], [0]), ([1], [0]), ([2], [1]), ([3], [1])], (
+        f"4 query heads, 2 KV heads on 4 ranks: (query heads, KV heads) per rank should be query head r with "
+        f"KV head r // 2 (each KV head replicated on 2 ranks), got {got}"
+    )
+
+
+UNSPLITTABLE = [(4, 2, 3, ("4", "3")), (8, 3, 2, ("3", "2")), (8, 2, 3, ("8", "3"))]
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, named", UNSPLITTABLE)
+def test_heads_that_cannot_split_are_refused_clearly(heads, kv_heads, tp, named):
+    with pytest.raises(ValueError) as error:
+        head_ranges(heads, kv_heads, group(0, tp))
+    message = str(error.value)
+    assert all(n in message for n in named) and "tp_size" in message, (
+        f"{heads} query heads, {kv_heads} KV heads, tp_size={tp}: the error should name the numbers that do not "
+        f"divide and tp_size, got {message!r}"
+    )
+
+
+@pytest.mark.parametrize("family, tp", [("llama", 2), ("qwen2", 2), ("qwen3", 4), ("llama_gqa_bias", 2), ("llama3", 2)])
+def test_shards_reassemble_to_the_checkpoint(tiny_models_root, family, tp):
+    path = tiny_models_root / family
+    full = load_file(str(path / "model.safetensors"))
+    config = ModelConfig.from_folder(path)
+    ranks = [load_tp_model(path, group(r, tp), "cpu", torch.float32) for r in range(tp)]
+    d, vocab = config.head_dim, config.vocab_size
+    layer = [m.model.layers[1] for m in ranks]
+    q_rows = config.num_attention_heads // tp * d
+    kv_rows = max(1, config.num_key_value_heads // tp) * d
+
+    def whole(name):
+        return full[f"model.layers.1.{name}.weight"]
+
+    parts = [a.self_attn.qkv_proj.weight.split([q_rows, kv_rows, kv_rows]) for a in layer]
+    torch.testing.assert_close(torch.cat([p[0] for p in parts]), whole("self_attn.q_proj"), msg=f"{family}: q rows")
+    replicas = max(1, tp // config.num_key_value_heads)  # ranks sharing one KV head: take each head once
+    for i, name in ((1, "k_proj"), (2, "v_proj")):
+        torch.testing.assert_close(
+            torch.cat([p[i] for p in parts[::replicas]]), whole(f"self_attn.{name}"), msg=f"{family}: {name} rows"
+        )
+    torch.testing.assert_close(
+        torch.cat([a.self_attn.o_proj.weight for a in layer], dim=1), whole("self_attn.o_proj"), msg="o_proj columns"
+    )
+    gate_up = [a.mlp.gate_up_proj.weight.chunk(2) for a in layer]
+    torch.testing.assert_close(torch.cat([g for g, _ in gate_up]), whole("mlp.gate_proj"), msg="gate_proj rows")
+    torch.testing.assert_close(torch.cat([u for _, u in gate_up]), whole("mlp.up_proj"), msg="up_proj rows")
+    torch.testing.assert_close(
+        torch.cat([a.mlp.down_proj.weight for a in layer], dim=1), whole("mlp.down_proj"), msg="down_proj columns"
+    )
+    embed = torch.cat([m.model.embed_tokens.weight for m in ranks])
+    torch.testing.assert_close(embed[:vocab], full["model.embed_tokens.weight"], msg=f"{family}: embedding rows")
+    assert not embed[vocab:].any(), f"{family}: the padding rows past the vocabulary ({vocab}) must be zeros"
+    if not config.tie_word_embeddings:
+        head = torch.cat([m.lm_head.weight for m in ranks])
+        torch.testing.assert_close(head[:vocab], full["lm_head.weight"], msg=f"{family}: lm_head rows")
+    assert ranks[0].config.num_key_value_heads == kv_rows // d, (
+        f"{family}, tp={tp}: a rank's config should count its own KV heads (its KV pool is built from it)"
+    )
+
+
+def test_an_unsplittable_model_is_refused_before_any_process_starts(tiny_models_root):
+    # qwen3's tiny model: 4 query heads, 2 KV heads; 3 ranks cannot split either
+    with pytest.raises(ValueError) as error:
+        TPEngine(str(tiny_models_root / "qwen3"), tp_size=3, pool_size=64)
+    assert "tp_size=3" in str(error.value), f"the error should name tp_size=3: {error.value}"
