@@ -28,6 +28,8 @@ CHECK_TIMEOUT_S = 5.0  # a grammar whose check takes longer is refused (llguidan
 
 def grammar_fields(response_format: dict[str, Any] | None, regex: str | None) -> dict[str, Any]:
     """StructuredSamplingParams' grammar fields for a request; InvalidRequest names what is wrong."""
+    # BEGIN EXERCISE: OpenAI's response_format and SGLang's regex -> the grammar's fields
+    # [#the-server-response_format-and-regex]
     if regex is not None and response_format not in (None, {"type": "text"}):
         raise InvalidRequest("regex and response_format cannot both constrain one request; send one", param="regex")
     if regex is not None:
@@ -51,6 +53,7 @@ def grammar_fields(response_format: dict[str, Any] | None, regex: str | None) ->
         f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
         param="response_format",
     )
+    # END EXERCISE
 
 
 async def structured_params(

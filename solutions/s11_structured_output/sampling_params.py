@@ -27,6 +27,8 @@ class StructuredSamplingParams(SamplingParams):
 
     def _validate(self) -> None:
         super()._validate()
+        # BEGIN EXERCISE: at most one grammar, well formed; ignore_eos cannot go with one
+        # [#a-request-names-its-grammar]
         if self.json_schema is not None and self.regex is not None:
             raise ValueError("json_schema and regex cannot both be given; a request follows one grammar")
         if self.json_schema is not None:
@@ -38,6 +40,7 @@ class StructuredSamplingParams(SamplingParams):
                 "ignore_eos cannot be used with a grammar: a constrained output ends with EOS once the grammar "
                 "is complete"
             )
+        # END EXERCISE
 
     @property
     def grammar_key(self) -> GrammarKey | None:

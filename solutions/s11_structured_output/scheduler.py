@@ -91,8 +91,8 @@ class GrammarScheduler(OverlapScheduler):
                 continue
             req.grammar = self.grammar_backend.new_grammar(future.result())
             self.waiting.append(req)
-        # END EXERCISE
         return outputs
+        # END EXERCISE
 
     def abort_request(self, rid: Hashable) -> bool:
         for req, future in self.grammar_queue:
@@ -137,12 +137,18 @@ class GrammarScheduler(OverlapScheduler):
     ) -> list[TokenOutput]:
         """Each constrained request's grammar consumes its token first, then stage 10's processing
         (the stop checks: EOS, the only token a complete grammar allows, ends the request)."""
+        if any(req.grammar is not None for req in launched.sampled):  # free steps are stage 10's alone
+            self.accept_tokens(launched.sampled, token_ids)
+        return super().process_batch_result_overlap(launched, token_ids, next_batch)
+
+    def accept_tokens(self, sampled: list[Req], token_ids: list[int]) -> None:
+        """Move each constrained request's grammar on by its sampled token (row i of ``token_ids``
+        is ``sampled[i]``'s); a request that already ended drops its token, so its grammar too."""
         # BEGIN EXERCISE: move each constrained request's grammar on by its sampled token [#what-you-write]
-        for req, token_id in zip(launched.sampled, token_ids):
-            if req.grammar is not None and not req.finished:  # an ended request's token is dropped
+        for req, token_id in zip(sampled, token_ids):
+            if req.grammar is not None and not req.finished:
                 req.grammar.accept_token(token_id)
         # END EXERCISE
-        return super().process_batch_result_overlap(launched, token_ids, next_batch)
 
     def shutdown(self) -> None:
         self.grammar_backend.shutdown()

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
+from s11_structured_output.response_format import grammar_fields  # noqa: E402
 from serving_helpers import Server, post, read_sse  # noqa: E402
 from structured_helpers import REGEXES, SCHEMAS, constrained, engine_on  # noqa: E402
 
@@ -32,6 +33,7 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_models_root, tmp_path_factory):
+    grammar_fields({"type": "json_object"}, None)  # an unwritten stage fails here, before the server starts
     server = Server(
         tiny_models_root / "llama",
         ["--pool-size", "2048", "--max-running-requests", "16"],
