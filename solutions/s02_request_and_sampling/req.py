@@ -111,7 +111,7 @@ class Req:
         self.req_pool_idx: int | None = None  # stage 4: its row in the request -> slots table
         self.prefix_match: PrefixMatch | None = None  # stage 5: what the prefix cache gave it (locked)
         self.time_stats = TimeStats()  # stage 5: when the scheduler queued, admitted, retracted it
-        self.grammar: Grammar | None = None  # stage 11: its place in its grammar (a constrained request)
+        self.grammar: Grammar | None = None  # stage 11: its place in its grammar, once compiled (None: free)
         self.grammar_error: str | None = None  # stage 11: why its grammar did not compile (it was aborted)
 
         # Every request owns its random stream, so its tokens depend only on its seed, never

@@ -70,7 +70,11 @@ class Grammar:
         """The sampled token moves the grammar on. The mask allowed only tokens the grammar
         accepts, so a refusal is a bug (a mask applied to the wrong row), never the model's fault."""
         if not self.matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+            raise RuntimeError(
+                f"the grammar refused token {token_id}, which its mask should have forbidden: is the bitmask "
+                "unpacked with bit j of word w = token 32*w + j, and applied to the row of its own request? "
+                f"({self.matcher.get_error()[:200]})"
+            )
         self.num_tokens += 1
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:

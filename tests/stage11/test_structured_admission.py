@@ -106,5 +106,9 @@ def test_a_grammar_that_does_not_compile_aborts_its_request(engine, kind, spec, 
     ],
 )
 def test_bad_grammar_fields_are_refused_at_once(fields, message):
-    with pytest.raises(ValueError, match=message):
+    try:
         StructuredSamplingParams(**fields)
+    except ValueError as error:
+        assert message in str(error), f"StructuredSamplingParams({fields}): the error should say {message!r}: {error}"
+    else:
+        pytest.fail(f"StructuredSamplingParams({fields}) should be refused with a ValueError saying {message!r}")
