@@ -103,6 +103,23 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
     assert [out.text for out in offline] == texts, f"served {texts}, offline {[out.text for out in offline]}"
 
 
+def test_response_format_and_regex_map_to_the_grammar_fields():
+    schema = SCHEMAS["flat"]
+    cases = [
+        ((None, None), {}),
+        (({"type": "text"}, None), {}),
+        (({"type": "json_object"}, None), {"json_schema": '{"type":"object"}'}),
+        (
+            ({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}, None),
+            {"json_schema": schema},
+        ),
+        ((None, "[a-z]+"), {"regex": "[a-z]+"}),
+    ]
+    for (response_format, regex), want in cases:
+        got = grammar_fields(response_format, regex)
+        assert got == want, f"response_format={response_format}, regex={regex!r}: fields {got}, expected {want}"
+
+
 @pytest.mark.parametrize(
     "body,param,words",
     [
