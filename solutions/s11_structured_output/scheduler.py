@@ -149,6 +149,3 @@ class GrammarScheduler(OverlapScheduler):
             if req.grammar is not None and not req.finished:
                 req.grammar.accept_token(token_id)
         # END EXERCISE
-
-    def shutdown(self) -> None:
-        self.grammar_backend.shutdown()

@@ -130,6 +130,3 @@ class GrammarBackend:
     def new_grammar(self, compiled: llguidance.LLMatcher) -> Grammar:
         """A request's own matcher, at the grammar's start."""
         return Grammar(compiled.deep_copy())
-
-    def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -125,6 +125,3 @@ class GrammarScheduler(OverlapScheduler):
         raise NotImplementedError(
             "Stage 11: move each constrained request's grammar on by its sampled token - see stages/s11_structured_output/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
-
-    def shutdown(self) -> None:
-        self.grammar_backend.shutdown()
