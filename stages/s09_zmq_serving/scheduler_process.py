@@ -172,13 +172,19 @@ class SchedulerProcess:
     def run_batch(self) -> list:
         """One engine step; its TokenOutputs. If the step raises (a forward pass that failed, a
         sampler that refused a value), its requests are aborted by the engine, which frees what
-        they held, and each gets an error (500); the loop goes on. Raises only if the invariants
+        they held, and each gets an error (500); the loop goes on (a step that failed before it
+        admitted anyone fails the waiting requests instead). Raises only if the invariants
         are broken afterwards: then the state cannot be trusted, and the process must end."""
         try:
             return self.engine.step()
         except Exception as error:
             logger.exception("a step failed; its requests are aborted with an error and their KV freed")
             failed = self.engine.abort_failed_step()
+            if not failed:
+                # Nobody held memory: the step failed while choosing its batch, before any request
+                # was admitted. Every waiting request would meet the same error at once on the next
+                # loop, forever, so they end now with it rather than wait for a timeout.
+                failed = [req for rid, req in list(self.reqs.items()) if self.engine.abort_request(rid)]
             for req in failed:
                 if self.reqs.pop(req.rid, None) is not None:
                     self.send_to_detokenizer.send_pyobj(

@@ -31,12 +31,13 @@ class Outbox:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("where", ["forward", "sampler"])
+@pytest.mark.parametrize("where", ["forward", "sampler", "admission"])
 def test_a_step_that_raises_aborts_its_requests_and_frees_their_kv(tiny_models_root, where, page_size):
     """The step fails inside the forward pass (after its KV slots were allocated), while two
     requests decode and a long prompt is half prefilled (chunked); or in the sampler, after the
     pass (the issue's top_k of 2**63, which overflows int64 there), as a new request joins two
-    that decode."""
+    that decode; or while choosing the batch, before anyone holds memory: then the request that
+    waits gets the error (it would meet it again on every loop, forever)."""
     engine = offline_engine(tiny_models_root / TINY_FAMILY, pool_size=512, page_size=page_size, chunked_prefill_size=16)
     outbox = Outbox()
     scheduler = SchedulerProcess(engine, None, outbox)
@@ -57,6 +58,17 @@ def test_a_step_that_raises_aborts_its_requests_and_frees_their_kv(tiny_models_r
         scheduler.send_outputs(scheduler.run_batch())
         scheduler.arm_fault(DebugFaultReq("fault", "scheduler", "raise"))
         hit = {"a", "b", "long"}
+    elif where == "admission":
+        for rid in ("a", "b"):  # nobody holds memory now, so the failed step has no request of its own
+            scheduler.abort_request(rid)
+        add("waits", b"three", temperature=0, max_new_tokens=5)
+
+        def failing_admit(*args, **kwargs):  # once, as a learner's unfinished admission would
+            del engine.scheduler.admit_new_requests
+            raise NotImplementedError("admission is not written yet")
+
+        engine.scheduler.admit_new_requests = failing_admit
+        hit = {"waits"}
     else:
         add("poison", b"three", temperature=1.0, top_k=5, max_new_tokens=5)
         scheduler.reqs["poison"].sampling_params.top_k = 2**63  # past validation, as the issue's request was
