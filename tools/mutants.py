@@ -700,6 +700,56 @@ MUTANTS: list[Mutant] = [
         edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len"),
         r"tree|insert|extra",
     ),
+    # --- stage 11: structured output ----------------------------------------------------------------
+    Mutant(
+        "s11-bitmask-bit-order",
+        "s11_structured_output/vocab_mask.py",
+        "bit j of word w is token 32*w + j (the lowest bit first)",
+        edit("bits = torch.arange(32, dtype=torch.int32)", "bits = 31 - torch.arange(32, dtype=torch.int32)"),
+        r"bit j of word",
+    ),
+    Mutant(
+        "s11-padding-allowed",
+        "s11_structured_output/vocab_mask.py",
+        "the tokens of a padded vocabulary, past the mask's, are never allowed",
+        edit("allowed.new_zeros(", "allowed.new_ones("),
+        r"past the mask",
+    ),
+    Mutant(
+        "s11-sample-unmasked",
+        "s11_structured_output/vocab_mask.py",
+        "the masked rows go back into the logits the sampler reads",
+        edit("        logits[rows] = masked\n", ""),
+        r"grammar|validate|match",
+    ),
+    Mutant(
+        "s11-no-compile-cache",
+        "s11_structured_output/grammar_backend.py",
+        "each distinct grammar compiles once: the Future is cached by (kind, text)",
+        edit("future = self.cache.get(key)", "future = None"),
+        r"compiled|cache",
+    ),
+    Mutant(
+        "s11-rollback-keeps-count",
+        "s11_structured_output/grammar_backend.py",
+        "after a rollback the grammar counts only the tokens it kept",
+        edit("            self.num_tokens = num_tokens\n", ""),
+        r"rollback",
+    ),
+    Mutant(
+        "s11-retract-drops-grammar",
+        "s11_structured_output/scheduler.py",
+        "a retracted request keeps its grammar, rolled back to its kept tokens, for when it is readmitted",
+        edit('if why == "retracted":', "if False:"),
+        r"retract|rolled back",
+    ),
+    Mutant(
+        "s11-grammar-with-ignore-eos",
+        "s11_structured_output/sampling_params.py",
+        "a constrained request ends with EOS, so ignore_eos cannot go with a grammar",
+        edit("if self.grammar_key is not None and self.ignore_eos:", "if False:"),
+        r"ignore_eos",
+    ),
     # --- stage 12: tensor parallelism ------------------------------------------------------------
     Mutant(
         "s12-kv-head-modulo",

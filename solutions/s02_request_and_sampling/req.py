@@ -25,8 +25,9 @@ import torch
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # only a type: stage 2 never imports stage 5 at run time
+if TYPE_CHECKING:  # only types: stage 2 never imports stage 5 or 11 at run time
     from s05_continuous_batching.prefix_cache import PrefixMatch
+    from s11_structured_output.grammar_backend import Grammar
 
 FinishType = Literal["stop", "length", "abort"]
 
@@ -110,6 +111,8 @@ class Req:
         self.req_pool_idx: int | None = None  # stage 4: its row in the request -> slots table
         self.prefix_match: PrefixMatch | None = None  # stage 5: what the prefix cache gave it (locked)
         self.time_stats = TimeStats()  # stage 5: when the scheduler queued, admitted, retracted it
+        self.grammar: Grammar | None = None  # stage 11: its place in its grammar, once compiled (None: free)
+        self.grammar_error: str | None = None  # stage 11: why its grammar did not compile (it was aborted)
 
         # Every request owns its random stream, so its tokens depend only on its seed, never
         # on which other requests happen to share the batch. Without a seed we draw one and

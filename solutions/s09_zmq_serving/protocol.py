@@ -104,6 +104,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
+    regex: str | None = None  # extension (SGLang's): the output matches it; served by stage 11's engine
     user: Name | None = None  # only recorded by OpenAI: harmless to accept
     # Accepted only at the value that changes nothing; anything else is a 400 (see check_supported).
     n: int | None = None
@@ -156,11 +157,6 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
         unsupported += [
             ("tools", bool(request.tools), "tools (function calling) are not supported by this server"),
             ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported by this server"),
-            (
-                "response_format",
-                request.response_format not in (None, {"type": "text"}),
-                "response_format other than text (JSON mode, schemas) is not supported by this server",
-            ),
         ]
     else:
         unsupported += [

@@ -90,9 +90,14 @@ class OverlapWorker:
         logits = self.runner.forward(batch)
         if not sample_rows:
             return torch.empty(0, dtype=torch.int64)
-        tokens = sample(logits[sample_rows], sample_reqs)
+        tokens = self.sample(logits[sample_rows], sample_reqs)
         self.future_map.store(future_ids, tokens)
         return tokens
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """One token per row (stage 2's sampler); stage 11 masks the logits first, where the full
+        logits are, never inside the model's forward."""
+        return sample(logits, reqs)
 
     def wait_idle(self) -> None:
         """Block until every step submitted so far has run (whether it succeeded or not)."""

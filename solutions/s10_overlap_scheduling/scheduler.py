@@ -116,7 +116,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         if not self.has_work:
             return []
         if self.worker is None:
-            self.worker = OverlapWorker(self.runner, self.future_map)
+            self.worker = self.make_worker()
         if not self.enable_overlap:
             launched = self.schedule_and_launch()
             self.settle(launched)
@@ -134,6 +134,10 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         self.last = launched
         return outputs
         # END EXERCISE
+
+    def make_worker(self) -> OverlapWorker:
+        """The worker that runs each step's forward and sampling (stage 11 masks the logits there)."""
+        return OverlapWorker(self.runner, self.future_map)
 
     def must_wait_for_last(self) -> bool:
         """Whether the next step can only be built once the step in flight is processed: it
@@ -162,7 +166,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         admitted = self.admit_new_requests()
         decodes = self.decoding_reqs()
         if not decodes and not admitted:
-            if self.last is None and self.has_work and not self.ending:
+            if self.last is None and (self.waiting or self.chunked_req) and not self.ending:
                 head = self.waiting[0] if self.waiting else self.chunked_req
                 raise RuntimeError(
                     f"nothing can run: request {head.rid} is first in line and its prefill needs "

@@ -472,6 +472,20 @@ def create_app(
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
+    async def constrain(params, response_format: dict | None, regex: str | None):
+        """response_format and regex need stage 11's engine (structured output): imported here,
+        only when a request asks for them, so this stage alone serves everything else."""
+        if response_format in (None, {"type": "text"}) and regex is None:
+            return params
+        if server_args.engine_knobs.get("disable_overlap"):
+            raise InvalidRequest(
+                "response_format and regex need stage 11's engine; this server runs stage 8's (--disable-overlap)",
+                param="regex" if regex is not None else "response_format",
+            )
+        from s11_structured_output.response_format import structured_params
+
+        return await structured_params(params, response_format, regex)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_limits(body, limits)
@@ -479,6 +493,7 @@ def create_app(
         check_supported(body)
         messages = chat_messages(body)
         params, fill = to_sampling_params(body)
+        params = await constrain(params, body.response_format, body.regex)
         req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, fill_max_new_tokens=fill)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await generate(request, req, body.stream, include_usage, model, "chat")
@@ -490,6 +505,7 @@ def create_app(
         check_supported(body)
         text, ids = completion_prompt(body)
         params, fill = to_sampling_params(body)
+        params = await constrain(params, None, body.regex)
         req = GenerateReqInput(new_id("cmpl"), params, text=text, input_ids=ids, fill_max_new_tokens=fill)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await generate(request, req, body.stream, include_usage, model, "completion")

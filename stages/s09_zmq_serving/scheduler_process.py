@@ -57,9 +57,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
-    """The engine the server runs: the newest stage's, stage 10's overlapped one; with
-    ``--disable-overlap``, stage 8's, the same engine without the overlapped loop. Stage 10 is
-    imported only when it is served, so this stage (and its tests, which pass
+    """The engine the server runs: the newest stage's, stage 11's (stage 10's overlapped engine with
+    structured output); with ``--disable-overlap``, stage 8's, without the overlapped loop. Stages
+    10 and 11 are imported only when they are served, so this stage (and its tests, which pass
     ``--disable-overlap``) needs nothing beyond stage 9."""
     knobs = dict(knobs)
     if isinstance(knobs.get("dtype"), str):
@@ -73,9 +73,9 @@ def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
     knobs.pop("tp_size", None)
     if knobs.pop("disable_overlap", False):
         return CudaGraphEngine(model, **knobs)
-    from s10_overlap_scheduling.engine import OverlapEngine  # here, not at the top: see the docstring
+    from s11_structured_output.engine import Engine  # here, not at the top: see the docstring
 
-    return OverlapEngine(model, **knobs)
+    return Engine(model, **knobs)
 
 
 def context_len(engine: CudaGraphEngine) -> int:

@@ -31,12 +31,13 @@ class OverlapEngineConfig(CudaGraphEngineConfig):
 
 class OverlapEngine(CudaGraphEngine):
     config_class: ClassVar[type[EngineConfig]] = OverlapEngineConfig
+    scheduler_class: ClassVar[type[OverlapScheduler]] = OverlapScheduler  # stage 11 names its own
     config: OverlapEngineConfig
     scheduler: OverlapScheduler
 
     def make_scheduler(self) -> OverlapScheduler:
         c = self.config
-        return OverlapScheduler(
+        return self.scheduler_class(
             self.runner,
             self.make_prefix_cache(),
             enable_overlap=not c.disable_overlap,

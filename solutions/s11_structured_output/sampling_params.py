@@ -1,0 +1,64 @@
+"""``StructuredSamplingParams``: stage 2's SamplingParams plus the grammar the output must follow.
+
+A request names at most one grammar: ``json_schema`` (a JSON schema, as a dict or its JSON text;
+``{"type": "object"}`` is OpenAI's JSON mode) or ``regex`` (SGLang's extension). The schema is
+stored as canonical JSON text (sorted keys, no spaces): the grammar cache is keyed by
+``grammar_key`` = (kind, text), so two spellings of one schema compile once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from s02_request_and_sampling.sampling_params import SamplingParams
+
+GrammarKind = Literal["json", "regex"]
+GrammarKey = tuple[GrammarKind, str]
+
+JSON_OBJECT_SCHEMA = '{"type":"object"}'  # OpenAI's response_format {"type": "json_object"}
+
+
+@dataclass
+class StructuredSamplingParams(SamplingParams):
+    json_schema: str | dict[str, Any] | None = None  # the output is JSON valid against this schema
+    regex: str | None = None  # the output matches this regular expression (in full)
+
+    def _validate(self) -> None:
+        super()._validate()
+        # BEGIN EXERCISE: at most one grammar, well formed; ignore_eos cannot go with one
+        # [#a-request-names-its-grammar]
+        if self.json_schema is not None and self.regex is not None:
+            raise ValueError("json_schema and regex cannot both be given; a request follows one grammar")
+        if self.json_schema is not None:
+            self.json_schema = canonical_schema(self.json_schema)
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar_key is not None and self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be used with a grammar: a constrained output ends with EOS once the grammar "
+                "is complete"
+            )
+        # END EXERCISE
+
+    @property
+    def grammar_key(self) -> GrammarKey | None:
+        """What the grammar cache is keyed by; None for a free request."""
+        if self.json_schema is not None:
+            return ("json", str(self.json_schema))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        return None
+
+
+def canonical_schema(schema: str | dict[str, Any]) -> str:
+    """A JSON schema as canonical JSON text; ValueError if it is not a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"json_schema is not valid JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema must be a JSON object (a dict), got {type(schema).__name__}")
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,132 @@
+"""``GrammarBackend``: compiles grammars in the background, once per schema; ``Grammar``: one
+request's matcher.
+
+The library is llguidance (Microsoft's, one of SGLang's and vLLM's backends; the README says why
+it and not xgrammar or outlines-core). It gives us three things, and the engine does the rest:
+
+    compile      a JSON schema or a regex -> an ``LLMatcher`` over the model's vocabulary
+    mask         the matcher's state -> a bitmask, one bit per token id: may it come next?
+    advance      consume_token(t) after t was sampled; rollback(n) undoes the last n tokens
+
+Compiling takes from a millisecond to, for a hostile schema, seconds, so it never runs on the
+scheduler's thread: ``get`` returns a Future from a thread pool, and a cache keyed by
+(kind, text) means each distinct schema compiles once. A request gets its own matcher by copying
+the compiled one (``deep_copy``: cheap), because every request is at its own place in the grammar.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable
+
+import llguidance
+import llguidance.hf
+import torch
+
+from .sampling_params import GrammarKey
+
+COMPILE_THREADS = 2  # grammars compiled at once (llguidance drops the GIL while it compiles)
+# llguidance's own bounds on the work one grammar may cause (its defaults are 1M / 500k): with
+# them a hostile schema fails in bounded time instead of compiling for minutes.
+PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000)
+# The JSON the model may write: compact (no free whitespace), so a model cannot pad forever
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A schema or regex that does not compile; the message says what is wrong."""
+
+
+def grammar_text(key: GrammarKey) -> str:
+    """llguidance's grammar for ``key``. Raises GrammarError for a malformed one."""
+    kind, text = key
+    try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    except ValueError as error:
+        raise GrammarError(f"{kind}: {error}") from None
+
+
+def check_grammar(key: GrammarKey) -> None:
+    """Raise GrammarError unless ``key`` compiles (no tokenizer needed: the server's front end
+    calls this to answer 400 before the request reaches the scheduler)."""
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(key), limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+    if error:
+        kind = "JSON schema" if key[0] == "json" else "regex"
+        raise GrammarError(f"invalid {kind}: {error}")
+
+
+class Grammar:
+    """One request's place in its grammar. ``num_tokens`` counts what it consumed, so retraction
+    can roll it back to the tokens the request keeps."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
+        self.num_tokens = 0
+
+    def accept_token(self, token_id: int) -> None:
+        """The sampled token moves the grammar on. The mask allowed only tokens the grammar
+        accepts, so a refusal is a bug (a mask applied to the wrong row), never the model's fault."""
+        if not self.matcher.consume_token(token_id):
+            raise RuntimeError(
+                f"the grammar refused token {token_id}, which its mask should have forbidden: is the bitmask "
+                "unpacked with bit j of word w = token 32*w + j, and applied to the row of its own request? "
+                f"({self.matcher.get_error()[:200]})"
+            )
+        self.num_tokens += 1
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens of the next step into ``bitmask[row]`` (int32, 32 tokens per
+        word, bit j of word w is token 32*w + j)."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def rollback_to(self, num_tokens: int) -> None:
+        """Undo consumed tokens until only the first ``num_tokens`` remain."""
+        raise NotImplementedError(
+            "Stage 11: roll the matcher back to the tokens the request keeps - see stages/s11_structured_output/README.md#retraction-and-abort"  # noqa: E501 (one message, the learner's to read whole)
+        )
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and admits nothing more (only EOS comes next)."""
+        return self.matcher.is_stopped()
+
+
+class GrammarBackend:
+    """Compiles grammars for one model's vocabulary on a thread pool, each distinct one once."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int], threads: int = COMPILE_THREADS):
+        """``vocab_size``: the model's logits width (often padded past the tokenizer's ids: those
+        tokens are never allowed). ``eos_token_ids``: the tokens that end a request; the grammar
+        allows them once it is complete."""
+        # The tokenizer bridge walks the whole vocabulary once (~0.4 s for a 49k vocabulary).
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self.cache: dict[GrammarKey, Future] = {}
+        self.lock = threading.Lock()  # get() may be called from several threads (a server's)
+        self.compilations = 0  # how many grammars were compiled: each distinct key once
+
+    def compile(self, key: GrammarKey) -> llguidance.LLMatcher:
+        """The compiled matcher of ``key`` at its start (runs on the pool). Raises GrammarError."""
+        self.compilations += 1
+        matcher = llguidance.LLMatcher(
+            self.tokenizer, grammar_text(key), log_level=0, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
+        )
+        if matcher.is_error():
+            kind = "JSON schema" if key[0] == "json" else "regex"
+            raise GrammarError(f"invalid {kind}: {matcher.get_error()}")
+        return matcher
+
+    def get(self, key: GrammarKey) -> Future:
+        """A Future of ``key``'s compiled matcher: the cached one, or a compilation started now on
+        the pool. Never blocks. A failed compilation stays cached too (the same schema fails the same way)."""
+        raise NotImplementedError(
+            "Stage 11: one compilation per key, off the caller's thread - see stages/s11_structured_output/README.md#compiling-in-the-background"  # noqa: E501 (one message, the learner's to read whole)
+        )
+
+    def new_grammar(self, compiled: llguidance.LLMatcher) -> Grammar:
+        """A request's own matcher, at the grammar's start."""
+        return Grammar(compiled.deep_copy())

@@ -1,0 +1,55 @@
+"""The server's side: OpenAI's ``response_format`` and SGLang's ``regex`` become a grammar.
+
+    {"type": "text"}                                    no grammar (OpenAI's default)
+    {"type": "json_object"}                             any JSON object (JSON mode)
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}
+    "regex": "..."                                      (an extension field, SGLang's)
+
+Stage 9's server calls ``structured_params`` only when a request asks for one of them (it imports
+this module then, and only when it serves this stage's engine). The grammar is checked here, in
+the HTTP server's process, on a thread and with a time limit, so a malformed or hostile schema
+gets a 400 naming the problem and never reaches, or stalls, the tokenizer or the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s09_zmq_serving.protocol import InvalidRequest
+
+from .grammar_backend import GrammarError, check_grammar
+from .sampling_params import JSON_OBJECT_SCHEMA, StructuredSamplingParams  # noqa: F401
+
+CHECK_TIMEOUT_S = 5.0  # a grammar whose check takes longer is refused (llguidance's limits bound it anyway)
+
+
+def grammar_fields(response_format: dict[str, Any] | None, regex: str | None) -> dict[str, Any]:
+    """StructuredSamplingParams' grammar fields for a request; InvalidRequest names what is wrong."""
+    raise NotImplementedError(
+        "Stage 11: OpenAI's response_format and SGLang's regex -> the grammar's fields - see stages/s11_structured_output/README.md#the-server-response_format-and-regex"  # noqa: E501 (one message, the learner's to read whole)
+    )
+
+
+async def structured_params(
+    params: SamplingParams, response_format: dict[str, Any] | None, regex: str | None
+) -> SamplingParams:
+    """``params`` with the request's grammar, checked (off the event loop, within CHECK_TIMEOUT_S).
+    Raises InvalidRequest (a 400) for a grammar that is malformed, does not compile or takes too long."""
+    fields = grammar_fields(response_format, regex)
+    if not fields:
+        return params
+    param = "regex" if "regex" in fields else "response_format"
+    try:
+        structured = StructuredSamplingParams(**dataclasses.asdict(params), **fields)
+    except ValueError as error:
+        raise InvalidRequest(str(error), param=param) from None
+    try:
+        await asyncio.wait_for(asyncio.to_thread(check_grammar, structured.grammar_key), CHECK_TIMEOUT_S)
+    except GrammarError as error:
+        raise InvalidRequest(str(error), param=param) from None
+    except TimeoutError:
+        raise InvalidRequest(f"the grammar took longer than {CHECK_TIMEOUT_S} s to check", param=param) from None
+    return structured

@@ -1,0 +1,127 @@
+"""``GrammarScheduler``: stage 10's scheduler, with a grammar per constrained request.
+
+What changes in the loop (SGLang's grammar path, the design notes' "constraint 3"):
+
+    add       a constrained request does not join the waiting queue yet: it waits in
+              ``grammar_queue`` while its grammar compiles on the backend's pool (cached by schema)
+    poll      each step, the requests whose grammar is ready get their own matcher and join the
+              waiting queue (last in line); a failed or too slow compilation aborts the request.
+              A request still compiling never blocks the others: they are scheduled as usual
+    sample    the worker masks the constrained rows' logits with their grammar's bitmask
+    process   each sampled token moves its request's grammar on, before the stop checks; once
+              the grammar is complete it allows only EOS, so the request ends with it
+    retract   the grammar is rolled back to the tokens the request keeps (all of them here)
+    leave     a request that finishes or is aborted drops its matcher
+
+Overlap (stage 10) and grammars: the mask of step N+1 needs the token of step N, which the CPU
+reads only after launching step N+1. SGLang resolves it as here: when the step in flight samples
+for a constrained request, the next step waits for it and processes it first (a sync point, as a
+retraction is), so every grammar has consumed its newest token before its next mask is filled.
+Steps of free requests alone stay overlapped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Hashable
+
+from s02_request_and_sampling.req import Req
+from s05_continuous_batching.scheduler import LeaveReason, TokenOutput
+from s10_overlap_scheduling.scheduler import LaunchedBatch, OverlapScheduler
+
+from .grammar_backend import GrammarBackend
+from .vocab_mask import GrammarWorker
+
+GRAMMAR_TIMEOUT_S = 30.0  # a grammar still compiling after this long aborts its request
+IDLE_WAIT_S = 0.05  # with nothing else to do, how long step() waits for a compilation
+
+
+class GrammarScheduler(OverlapScheduler):
+    def __init__(
+        self, runner, prefix_cache, grammar_backend: GrammarBackend, grammar_timeout: float = GRAMMAR_TIMEOUT_S, **knobs
+    ):
+        """``grammar_backend`` compiles the grammars; ``grammar_timeout``: seconds a grammar may take
+        to compile before its request is aborted. ``knobs``: stage 10's."""
+        super().__init__(runner, prefix_cache, **knobs)
+        self.grammar_backend = grammar_backend
+        self.grammar_timeout = grammar_timeout
+        # constrained requests whose grammar is compiling, with the Future of its compiled matcher
+        self.grammar_queue: deque[tuple[Req, Future]] = deque()
+
+    @property
+    def has_work(self) -> bool:
+        return super().has_work or bool(self.grammar_queue)
+
+    def make_worker(self) -> GrammarWorker:
+        return GrammarWorker(self.runner, self.future_map)
+
+    # --- requests in and out ---------------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request; a constrained one waits in grammar_queue while its grammar compiles."""
+        super().add_request(req)  # every stage's checks; a constrained request leaves the line at once:
+        key = getattr(req.sampling_params, "grammar_key", None)
+        if key is not None:
+            self.waiting.remove(req)
+            self.grammar_queue.append((req, self.grammar_backend.get(key)))
+
+    def poll_grammars(self) -> list[TokenOutput]:
+        """Move every request whose grammar is compiled to the waiting queue, with its own matcher;
+        abort those whose compilation failed or took longer than ``grammar_timeout``. Returns the
+        outputs of the aborted ones."""
+        outputs: list[TokenOutput] = []  # noqa: F841
+        now = self.clock()  # noqa: F841
+        raise NotImplementedError(
+            "Stage 11: admit the requests whose grammar is ready; abort failures and timeouts - see stages/s11_structured_output/README.md#compiling-in-the-background"  # noqa: E501 (one message, the learner's to read whole)
+        )
+
+    def abort_request(self, rid: Hashable) -> bool:
+        for req, future in self.grammar_queue:
+            if req.rid == rid:  # still compiling: it holds no memory (the compilation stays cached)
+                self.grammar_queue.remove((req, future))
+                req.abort()
+                req.time_stats.finished = self.clock()
+                return True
+        return super().abort_request(rid)
+
+    def release_req(self, req: Req, why: LeaveReason) -> None:
+        """Stage 5's release; a request that leaves for good drops its matcher, a retracted one
+        keeps it, rolled back to the tokens it keeps (it recomputes them all when readmitted)."""
+        super().release_req(req, why)
+        if req.grammar is None:
+            return
+        raise NotImplementedError(
+            "Stage 11: a retracted request keeps its grammar at its kept tokens; others drop it - see stages/s11_structured_output/README.md#retraction-and-abort"  # noqa: E501 (one message, the learner's to read whole)
+        )
+
+    # --- the loop -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenOutput]:
+        outputs = self.poll_grammars() if self.grammar_queue else []
+        if not super().has_work:
+            if self.grammar_queue:  # only compilations are left: wait a little for one of them
+                wait([future for _, future in self.grammar_queue], IDLE_WAIT_S, FIRST_COMPLETED)
+            return outputs
+        return outputs + super().step()
+
+    def must_wait_for_last(self) -> bool:
+        """Stage 10's sync points, and one more: the step in flight sampled for a constrained
+        request, whose next mask needs that token."""
+        return super().must_wait_for_last() or any(req.grammar is not None for req in self.last.sampled)
+
+    def process_batch_result_overlap(
+        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+    ) -> list[TokenOutput]:
+        """Each constrained request's grammar consumes its token first, then stage 10's processing
+        (the stop checks: EOS, the only token a complete grammar allows, ends the request)."""
+        if any(req.grammar is not None for req in launched.sampled):  # free steps are stage 10's alone
+            self.accept_tokens(launched.sampled, token_ids)
+        return super().process_batch_result_overlap(launched, token_ids, next_batch)
+
+    def accept_tokens(self, sampled: list[Req], token_ids: list[int]) -> None:
+        """Move each constrained request's grammar on by its sampled token (row i of ``token_ids``
+        is ``sampled[i]``'s); a request that already ended drops its token, so its grammar too."""
+        raise NotImplementedError(
+            "Stage 11: move each constrained request's grammar on by its sampled token - see stages/s11_structured_output/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
+        )

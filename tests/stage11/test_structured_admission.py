@@ -1,0 +1,114 @@
+"""Stage 11 (graded): grammars compile in the background, and only then is a request admitted.
+
+A request whose grammar is still compiling waits on the side while free and already-compiled
+requests run to their end; once its grammar is ready it runs, and its output follows it. A grammar
+that does not compile aborts its request with the library's reason; a bad combination of fields
+is refused when the SamplingParams are built."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from invariants import check_all
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s11_structured_output.sampling_params import StructuredSamplingParams
+from structured_helpers import REGEXES, SCHEMAS, assert_follows, constrained, engine_on
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models_root):
+    return engine_on(tiny_models_root / "qwen3", pool_size=1024)
+
+
+def run_until_idle(engine, max_steps: int = 2000) -> list:
+    outputs: list = []
+    with torch.inference_mode():
+        for _ in range(max_steps):
+            if not engine.has_work:
+                return outputs
+            outputs += engine.step()
+    raise AssertionError(f"the engine still had work after {max_steps} steps")
+
+
+def test_a_compiling_request_does_not_block_the_others(engine):
+    backend = engine.scheduler.grammar_backend
+    slow_key = ("regex", REGEXES[3])
+    release = threading.Event()
+    compile_ = backend.compile
+
+    def slow_compile(key):
+        if key == slow_key:
+            assert release.wait(60), "the test never released the slow compilation"
+        return compile_(key)
+
+    backend.compile = slow_compile
+    try:
+        slow = engine.add_request([72, 73], constrained("regex", REGEXES[3]))
+        free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
+        fast = engine.add_request([76, 77], constrained("json", SCHEMAS["optional"]))
+        with torch.inference_mode():
+            for _ in range(500):
+                if free.finished and fast.finished:
+                    break
+                engine.step()
+        assert free.finished and fast.finished, (
+            "while one request's grammar was compiling, the free request and one with another grammar should "
+            f"have run to their end; free: {free}, other grammar: {fast}"
+        )
+        assert not slow.output_ids and not slow.finished and slow.req_pool_idx is None, (
+            f"a request whose grammar is still compiling must not be admitted (it has no mask yet): {slow}"
+        )
+    finally:
+        release.set()
+        backend.compile = compile_
+    run_until_idle(engine)
+    assert_follows(
+        slow.output_text, slow.finished_reason, "regex", REGEXES[3], "the request that waited for its grammar"
+    )
+    assert_follows(fast.output_text, fast.finished_reason, "json", SCHEMAS["optional"], "the other constrained request")
+    check_all(engine, "after the slow compilation")
+
+
+@pytest.mark.parametrize(
+    "kind,spec,why",
+    [("regex", "[0-9", "unclosed character class"), ("json", {"type": "integer", "minimum": "zero"}, "minimum")],
+    ids=["regex", "schema"],
+)
+def test_a_grammar_that_does_not_compile_aborts_its_request(engine, kind, spec, why):
+    bad = engine.add_request([70, 71], constrained(kind, spec))
+    good = engine.add_request([70, 72], constrained("regex", REGEXES[0]))
+    outputs = run_until_idle(engine)
+    assert bad.finished_reason is not None and bad.finished_reason.type == "abort" and not bad.output_ids, (
+        f"a {kind} that does not compile should abort its request with no tokens: {bad}"
+    )
+    assert bad.grammar_error and why in bad.grammar_error, (
+        f"the aborted request's grammar_error should carry the library's reason (mentioning {why!r}): "
+        f"{bad.grammar_error!r}"
+    )
+    assert any(out.rid == bad.rid and out.finish_reason.type == "abort" for out in outputs), (
+        "the aborted request's end should be streamed like any other's (a TokenOutput with finish reason abort)"
+    )
+    assert_follows(good.output_text, good.finished_reason, "regex", REGEXES[0], "the request beside it")
+    check_all(engine, "after a grammar failed")
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(json_schema={"type": "object"}, regex="a"), "cannot both"),
+        (dict(json_schema="{not json"), "not valid JSON"),
+        (dict(json_schema=[1, 2]), "JSON object"),
+        (dict(regex=""), "non-empty"),
+        (dict(regex="a+", ignore_eos=True), "ignore_eos"),
+    ],
+)
+def test_bad_grammar_fields_are_refused_at_once(fields, message):
+    try:
+        StructuredSamplingParams(**fields)
+    except ValueError as error:
+        assert message in str(error), f"StructuredSamplingParams({fields}): the error should say {message!r}: {error}"
+    else:
+        pytest.fail(f"StructuredSamplingParams({fields}) should be refused with a ValueError saying {message!r}")

@@ -1,0 +1,219 @@
+"""Stage 11 (graded): every constrained output follows its grammar.
+
+Batches that mix JSON schemas (nested objects, arrays of enums, bounded numbers, optional fields,
+string patterns), regexes and free requests, greedy and seeded, with overlap on and off: every
+constrained output ends by itself and parses and validates (``jsonschema``, ``re.fullmatch``);
+both loops give the same tokens; greedy constrained tokens equal transformers' ``generate`` with a
+logits processor made from the same library (llguidance); the bitmask masks exactly the forbidden
+tokens; retraction rolls the grammar back and changes nothing; an abort frees the grammar."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from invariants import check_all
+from reference import hf_model
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s11_structured_output.grammar_backend import GrammarBackend
+from s11_structured_output.sampling_params import GrammarKey, canonical_schema
+from s11_structured_output.vocab_mask import apply_token_bitmask
+from structured_helpers import REGEXES, SCHEMAS, assert_follows, constrained, engine_on
+
+
+def test_the_bitmask_masks_exactly_the_forbidden_tokens():
+    gen = torch.Generator().manual_seed(0)
+    words, vocab = 2, 70  # 64 tokens in the mask; the logits have 6 columns of padding past them
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(3, vocab, generator=gen)
+    expected = logits.clone()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little").reshape(3, -1).astype(bool)
+    allowed = np.zeros((3, vocab), dtype=bool)
+    allowed[:, : 32 * words] = bits
+    expected[~torch.from_numpy(allowed)] = float("-inf")
+    apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected), (
+        "apply_token_bitmask: bit j of word w allows token 32*w + j; every other logit (and every column "
+        "past the mask's tokens) must become -inf, the allowed ones unchanged"
+    )
+
+
+def workload():
+    """Every schema and regex, greedy and seeded, between free requests."""
+    prompts, params, specs = [], [], []
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        prompts.append([40 + i, 50, 60 + i])
+        params.append(constrained("json", schema, **({} if i % 2 else {"temperature": 0.9, "seed": i})))
+        specs.append(("json", schema, name))
+    for i, regex in enumerate(REGEXES):
+        prompts.append([70 + i, 33])
+        params.append(constrained("regex", regex, **({"temperature": 1.0, "seed": 7 + i} if i % 2 else {})))
+        specs.append(("regex", regex, regex))
+    for i in range(3):
+        prompts.insert(2 * i + 1, [90 + i, 91, 92])
+        params.insert(2 * i + 1, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+        specs.insert(2 * i + 1, None)
+    return prompts, params, specs
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models_root):
+    return tiny_models_root / "llama"
+
+
+@pytest.fixture(scope="module")
+def outputs_by_mode(tiny_llama):
+    """The workload run on one engine per loop (overlap on, then off)."""
+    prompts, params, specs = workload()
+    results = {}
+    for disable_overlap in (False, True):
+        engine = engine_on(tiny_llama, disable_overlap=disable_overlap, pool_size=2048)
+        results[disable_overlap] = engine, engine.generate(prompts, params)
+    return results, specs
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_every_constrained_output_follows_its_grammar(outputs_by_mode, disable_overlap):
+    results, specs = outputs_by_mode
+    engine, outputs = results[disable_overlap]
+    mode = "no overlap" if disable_overlap else "overlap"
+    for out, spec in zip(outputs, specs):
+        if spec is None:
+            assert len(out.output_ids) == 6, f"{mode}: a free request in the batch should run as usual: {out}"
+            continue
+        kind, grammar, name = spec
+        assert_follows(out.text, out.finish_reason, kind, grammar, f"{mode}, {kind} {name}")
+    check_all(engine, mode)
+
+
+def test_both_loops_give_the_same_tokens(outputs_by_mode):
+    results, specs = outputs_by_mode
+    for i, (on, off) in enumerate(zip(results[False][1], results[True][1])):
+        assert on.output_ids == off.output_ids, (
+            f"request {i} ({specs[i][2] if specs[i] else 'free'}): overlap on gave {on.output_ids}, off gave "
+            f"{off.output_ids}; a grammar must see each token before the next mask, in both loops"
+        )
+
+
+def test_each_schema_compiles_once(outputs_by_mode, tiny_llama):
+    results, _ = outputs_by_mode
+    engine = results[False][0]
+    backend = engine.scheduler.grammar_backend
+    distinct = len(SCHEMAS) + len(REGEXES)
+    assert backend.compilations == distinct, (
+        f"{distinct} distinct grammars were compiled {backend.compilations} times: the cache is keyed by (kind, text)"
+    )
+    # The same schema again, spelled with its keys in another order: served from the cache.
+    schema = SCHEMAS["flat"]
+    respelled = dict(reversed(list(schema.items())))
+    [out] = engine.generate([[41, 42]], constrained("json", respelled))
+    assert_follows(out.text, out.finish_reason, "json", schema, "the flat schema again")
+    assert backend.compilations == distinct, (
+        f"the flat schema, seen before, was compiled again ({backend.compilations} compilations for {distinct} "
+        "distinct grammars): the cache is keyed by (kind, canonical text), so a respelled schema hits it"
+    )
+
+
+class LLGuidanceProcessor:
+    """transformers' side of the comparison: the same library's matcher, masking the logits of
+    each ``generate`` step (its own bit unpacking, with numpy)."""
+
+    def __init__(self, backend: GrammarBackend, key: GrammarKey, prompt_len: int):
+        self.grammar = backend.new_grammar(backend.get(key).result())
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_len:
+            self.grammar.matcher.consume_token(int(input_ids[0, -1]))
+        words = (scores.shape[1] + 31) // 32
+        bitmask = torch.zeros(1, words, dtype=torch.int32)
+        self.grammar.fill_mask(bitmask, 0)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: scores.shape[1]].astype(bool)
+        return scores.masked_fill(~torch.from_numpy(bits)[None], float("-inf"))
+
+
+@pytest.mark.parametrize("kind,name", [("json", "nested"), ("json", "array_enum"), ("regex", 1)])
+def test_greedy_tokens_equal_transformers_with_the_same_grammar(outputs_by_mode, tiny_llama, kind, name):
+    engine = outputs_by_mode[0][False][0]
+    spec = SCHEMAS[name] if kind == "json" else REGEXES[name]
+    text = canonical_schema(spec) if kind == "json" else spec
+    assert kind in ("json", "regex")
+    prompt = [65, 66, 67, 68]
+    [out] = engine.generate([prompt], constrained(kind, spec))
+    processor = LLGuidanceProcessor(engine.scheduler.grammar_backend, (kind, text), len(prompt))
+    eos = sorted(engine.model.config.eos_token_ids)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        hf = (
+            hf_model(str(tiny_llama))
+            .generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=60,
+                logits_processor=[processor],
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )[0, len(prompt) :]
+            .tolist()
+        )
+    assert out.output_ids == hf, (
+        f"{kind} {name}: the engine's constrained greedy tokens {out.output_ids} differ from transformers' with "
+        f"the same grammar {hf}: the mask must be applied to the logits before sampling, and the grammar must "
+        "consume every sampled token"
+    )
+
+
+def test_retraction_rolls_the_grammar_back_and_changes_nothing(outputs_by_mode, tiny_llama):
+    prompts, params, _ = workload()
+    engine = engine_on(tiny_llama, pool_size=72, max_running_requests=6, new_token_ratio=0.0)
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.stats.num_retractions > 0, "the pool was meant to be too small: nothing was retracted"
+    for i, (got, want) in enumerate(zip(outputs, outputs_by_mode[0][False][1])):
+        assert got.output_ids == want.output_ids, (
+            f"request {i}: retracted and readmitted, it produced {got.output_ids} instead of {want.output_ids}; "
+            "a retracted request keeps its tokens, so its grammar must be rolled back to exactly those"
+        )
+    check_all(engine, "after retractions")
+
+
+def test_rollback_to_returns_the_grammar_to_the_kept_tokens(outputs_by_mode):
+    engine = outputs_by_mode[0][False][0]
+    backend = engine.scheduler.grammar_backend
+    key: GrammarKey = ("regex", REGEXES[1])
+    text = "Abcde-1234"
+    tokens = engine.tokenizer.hf(text, add_special_tokens=False)["input_ids"]
+    grammar = backend.new_grammar(backend.get(key).result())
+    for token in tokens:
+        grammar.accept_token(token)
+    grammar.rollback_to(3)
+    fresh = backend.new_grammar(backend.get(key).result())
+    for token in tokens[:3]:
+        fresh.accept_token(token)
+    masks = torch.zeros(2, (engine.model.config.vocab_size + 31) // 32, dtype=torch.int32)
+    grammar.fill_mask(masks, 0)
+    fresh.fill_mask(masks, 1)
+    assert grammar.num_tokens == 3 and torch.equal(masks[0], masks[1]), (
+        f"after consuming {len(tokens)} tokens and rollback_to(3), the grammar should be where one that consumed "
+        f"only the first 3 is (num_tokens {grammar.num_tokens}, masks equal: {torch.equal(masks[0], masks[1])})"
+    )
+
+
+def test_abort_frees_the_grammar(tiny_llama):
+    engine = engine_on(tiny_llama, pool_size=512)
+    a = engine.add_request([80, 81], constrained("json", SCHEMAS["nested"]))
+    b = engine.add_request([82, 83], constrained("regex", REGEXES[2]))
+    with torch.inference_mode():
+        while not a.grammar or len(a.output_ids) < 3:
+            engine.step()
+    assert engine.abort_request(a.rid) and engine.abort_request(b.rid)
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+    for req in (a, b):
+        assert req.finished_reason.type == "abort" and req.grammar is None, (
+            f"request {req.rid}: aborted, it should end with 'abort' and drop its grammar; "
+            f"got {req.finished_reason}, grammar {req.grammar}"
+        )
+    check_all(engine, "after aborts")

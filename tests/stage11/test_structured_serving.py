@@ -1,0 +1,145 @@
+"""Stage 11 (graded): the server speaks OpenAI's ``response_format`` and SGLang's ``regex``.
+
+The official ``openai`` client's ``parse`` helper gets an instance of its pydantic model back;
+``json_schema`` and ``regex`` requests, streamed and not, answer text that validates and matches;
+each answer equals the offline engine's; a schema or regex that does not compile, or a request
+that mixes them, is a 400 that names the problem, and the server serves on."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
+
+from s11_structured_output.response_format import grammar_fields  # noqa: E402
+from serving_helpers import Server, post, read_sse  # noqa: E402
+from structured_helpers import REGEXES, SCHEMAS, constrained, engine_on  # noqa: E402
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=4)
+    age: int = Field(ge=0, le=20)
+    kind: Literal["cat", "dog"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models_root, tmp_path_factory):
+    grammar_fields({"type": "json_object"}, None)  # an unwritten stage fails here, before the server starts
+    server = Server(
+        tiny_models_root / "llama",
+        ["--pool-size", "2048", "--max-running-requests", "16"],
+        tmp_path_factory.mktemp("s11-server"),
+    )
+    yield server
+    server.stop()
+
+
+def client(server: Server) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_the_openai_parse_helper_gets_its_pydantic_model(server):
+    completion = client(server).beta.chat.completions.parse(
+        model="llama",
+        messages=[{"role": "user", "content": "A pet, please."}],
+        response_format=Pet,
+        temperature=0,
+        max_tokens=80,
+    )
+    message = completion.choices[0].message
+    assert isinstance(message.parsed, Pet), (
+        f"the openai client's parse helper should get a Pet back; the answer was {message.content!r} "
+        f"(finish reason {completion.choices[0].finish_reason})"
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_root, stream):
+    schema = SCHEMAS["nested"]
+    chat = {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "Who?"}],
+        "temperature": 0,
+        "max_tokens": 80,
+        "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "who", "schema": schema}},
+    }
+    completion = {"model": "llama", "prompt": "Code:", "temperature": 0, "max_tokens": 40, "stream": stream}
+    completion["regex"] = REGEXES[1]
+    texts = []
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        response = post(server, path, body, stream=stream)
+        assert response.status_code == 200, f"{path} {body}: {response.status_code} {response.text[:300]}"
+        if stream:
+            chunks = read_sse(response)
+            key = "delta" if "chat" in path else None
+            texts.append(
+                "".join(
+                    (c["delta"].get("content") or "") if key else c["text"]
+                    for chunk in chunks
+                    for c in chunk["choices"]
+                )
+            )
+        else:
+            choice = response.json()["choices"][0]
+            texts.append(choice["message"]["content"] if "chat" in path else choice["text"])
+    jsonschema.validate(json.loads(texts[0]), schema)
+    assert re.fullmatch(REGEXES[1], texts[1]), f"the regex answer {texts[1]!r} does not match {REGEXES[1]!r}"
+    # the same requests offline: the server adds nothing and loses nothing
+    engine = engine_on(tiny_models_root / "llama", pool_size=512)
+    offline = engine.generate(
+        [[{"role": "user", "content": "Who?"}], engine.tokenizer.encode("Code:")],  # completions: no chat template
+        [constrained("json", schema, max_new_tokens=80), constrained("regex", REGEXES[1], max_new_tokens=40)],
+    )
+    assert [out.text for out in offline] == texts, f"served {texts}, offline {[out.text for out in offline]}"
+
+
+def test_response_format_and_regex_map_to_the_grammar_fields():
+    schema = SCHEMAS["flat"]
+    cases = [
+        ((None, None), {}),
+        (({"type": "text"}, None), {}),
+        (({"type": "json_object"}, None), {"json_schema": '{"type":"object"}'}),
+        (
+            ({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}, None),
+            {"json_schema": schema},
+        ),
+        ((None, "[a-z]+"), {"regex": "[a-z]+"}),
+    ]
+    for (response_format, regex), want in cases:
+        got = grammar_fields(response_format, regex)
+        assert got == want, f"response_format={response_format}, regex={regex!r}: fields {got}, expected {want}"
+
+
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+            "response_format",
+            "bogus",
+        ),
+        ({"regex": "[0-9"}, "regex", "unclosed"),
+        ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "cannot both"),
+        ({"response_format": {"type": "xml"}}, "response_format", "not supported"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
+    ],
+    ids=["bad-schema", "bad-regex", "both", "unknown-type", "no-schema"],
+)
+def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
+    request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, **body}
+    response = post(server, "/v1/chat/completions", request)
+    error = response.json().get("error", {}) if response.status_code == 400 else {}
+    assert response.status_code == 400 and error.get("param") == param and words in error.get("message", ""), (
+        f"{body}: expected a 400 on {param!r} mentioning {words!r}; got {response.status_code} {response.text[:300]}"
+    )
+    assert server.health().status_code == 200, "the server should serve on after a refused grammar"
