@@ -1,12 +1,12 @@
-"""``TPEngine`` (the package's ``Engine``): stage 10's engine on a tensor-parallel group::
+"""``TPEngine`` (the package's ``Engine``): stage 11's engine on a tensor-parallel group::
 
     engine = Engine(model_path, tp_size=2)    # rank 0 here, rank 1 started as its own process
     engine.generate(prompts, params)          # the same tokens as tp_size=1
     engine.tp.counts                          # collectives rank 0 called: all_reduce, gather, broadcast
     engine.shutdown()                         # or `with Engine(...) as engine:`; no process is left
 
-Rank 0 (this process) does everything stage 10 does: it schedules (overlapped, as SGLang does
-under TP), samples from the full logits and streams. What changes is underneath:
+Rank 0 (this process) does everything stages 10 and 11 do: it schedules (overlapped, as SGLang
+does under TP), masks and samples from the full logits and streams. What changes is underneath:
 
 - the model is ``TPCausalLM`` (model.py), each rank loading only its slices (weight_loader.py);
 - the runner (``TPModelRunner``) broadcasts each step's batch to the other ranks before it runs
@@ -33,7 +33,7 @@ from s00_foundation.loader import resolve_model_path
 from s00_foundation.paths import default_model_path
 from s00_foundation.tokenizer import Tokenizer
 from s05_continuous_batching.engine import EngineConfig
-from s10_overlap_scheduling import engine as base  # the stage this engine builds on: re-base it here
+from s11_structured_output import engine as base  # the stage this engine builds on
 
 from .launch import TPLauncher
 from .model import TPCausalLM, rank_config
@@ -44,7 +44,7 @@ from .weight_loader import load_tp_model
 
 
 @dataclass
-class TPEngineConfig(base.OverlapEngineConfig):
+class TPEngineConfig(base.StructuredOutputEngineConfig):
     """The base engine's fields, plus ``tp_size`` (ranks the model is split over; 1: one
     process, the same code) and ``tp_timeout_s`` (how long a forward's collective waits for a
     silent rank before the group stops with an error)."""
@@ -53,7 +53,7 @@ class TPEngineConfig(base.OverlapEngineConfig):
     tp_timeout_s: float = DEFAULT_TIMEOUT_S
 
 
-class TPEngine(base.OverlapEngine):
+class TPEngine(base.StructuredOutputEngine):
     config_class: ClassVar[type[EngineConfig]] = TPEngineConfig
     config: TPEngineConfig
     runner: TPModelRunner

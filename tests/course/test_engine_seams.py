@@ -31,10 +31,11 @@ def test_every_stage_package_names_its_engine_and_keeps_the_alias_engine():
     import s08_cuda_graph.engine as s08
     import s10_overlap_scheduling.engine as s10
     import s11_structured_output.engine as s11
+    import s12_tensor_parallel.engine as s12
 
-    classes = [s05.Engine, s06.Engine, s07.Engine, s08.Engine, s10.Engine, s11.Engine]
+    classes = [s05.Engine, s06.Engine, s07.Engine, s08.Engine, s10.Engine, s11.Engine, s12.Engine]
     names = ["ContinuousBatchingEngine", "RadixEngine", "ChunkedPrefillEngine", "CudaGraphEngine", "OverlapEngine"]
-    names.append("StructuredOutputEngine")
+    names += ["StructuredOutputEngine", "TPEngine"]
     assert [c.__name__ for c in classes] == names
     assert all(issubclass(later, earlier) for earlier, later in zip(classes, classes[1:]))
 

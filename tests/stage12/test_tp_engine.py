@@ -4,16 +4,24 @@ One group per model family (Qwen2, Qwen3, and Llama with 8:1 GQA and biases ever
 single KV head is replicated on both ranks), started once per family and stopped by the
 fixture whatever the tests do. Each group runs greedy and seeded sampling with chunked prefill
 and the radix cache on, and is checked against stage 10's engine on one device, and its
-collectives are counted: two all-reduces per layer, one for the embedding, one gather per step."""
+collectives are counted: two all-reduces per layer, one for the embedding, one gather per step.
+Stage 11's grammars still hold: rank 0 masks the gathered logits."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, sampled
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
+
 from s02_request_and_sampling.sampler import sample
 from s10_overlap_scheduling import overlap_worker
 from s12_tensor_parallel.engine import TPEngine
+from structured_helpers import SCHEMAS, assert_follows, constrained  # noqa: E402
+from structured_helpers import engine_on as structured_engine_on  # noqa: E402
 
 # Llama with tied embeddings (the "llama" tiny model) runs at tp=2 in test_tp_serving.py.
 FAMILIES_UNDER_TP = ("qwen2", "qwen3", "llama_gqa_bias")
@@ -104,3 +112,19 @@ def test_rank_0_samples_from_the_whole_vocabulary_and_nothing_more(tp2, monkeypa
         f"{path.name}: rank 0 sampled from logits of shapes {seen}; the gathered logits must cover exactly the "
         f"vocabulary ({vocab}): every rank's slice, in rank order, without the padding rows past the vocabulary"
     )
+
+
+def test_a_grammar_is_followed_under_tp(tp2):
+    """Stage 11 under TP: rank 0 masks the gathered logits, so a JSON schema is followed and the
+    tokens are those of stage 11's engine on one device."""
+    path, engine = tp2
+    prompts = [[72, 101, 108, 108, 111], [40 + i % 60 for i in range(12)]]
+    schemas = [SCHEMAS["flat"], SCHEMAS["nested"]]
+    params = [constrained("json", schemas[0]), constrained("json", schemas[1], temperature=1.0, seed=3)]
+    expected = structured_engine_on(path, **KNOBS).generate(prompts, params)
+    got = engine.generate(prompts, params)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert_follows(g.text, g.finish_reason, "json", schemas[i], f"{path.name}, tp=2, request {i}")
+        assert g.output_ids == e.output_ids, (
+            f"{path.name}, tp=2, request {i}: constrained tokens {g.output_ids}, one device's {e.output_ids}"
+        )

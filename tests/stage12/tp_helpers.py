@@ -32,7 +32,8 @@ def sampled(n: int, seed: int) -> SamplingParams:
 
 
 def reference_outputs(path: Path, params) -> list[list[int]]:
-    """The same prompts on stage 10's engine on one device (tp=1): the tokens TP must reproduce."""
+    """The same prompts on stage 10's engine on one device (tp=1; stage 11 adds nothing to free
+    requests): the tokens TP must reproduce."""
     engine = OverlapEngine(engine_model(str(path)), engine_tokenizer(str(path)), **KNOBS)
     return [out.output_ids for out in engine.generate(PROMPTS, params)]
 
