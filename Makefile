@@ -24,6 +24,14 @@ STAGES ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
+# make test and make notebooks run TEST_JOBS test processes at once (pytest-xdist; one file or
+# notebook stays in one process, so its fixtures and its kernel are shared), each with torch on one
+# thread unless OMP_NUM_THREADS says otherwise: the tests are small and mostly single-threaded, so
+# two processes on two cores finish sooner than one process with two threads. TEST_JOBS=0: one.
+TEST_JOBS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+PARALLEL = $(if $(filter-out 0,$(TEST_JOBS)),OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1})
+
 LEARNER := ENGINE_IMPL=stages ENGINE_REFERENCE_UPTO=$(REFERENCE_UPTO) ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 REFERENCE := ENGINE_IMPL=solutions ENGINE_REFERENCE_UPTO= ENGINE_STAGES_DIR= ENGINE_SOLUTIONS_DIR=
 
@@ -45,6 +53,7 @@ help:
 	@echo "                       (torch uses 1 thread in all of these unless OMP_NUM_THREADS says otherwise)"
 	@echo "Maintainers and instructors"
 	@echo "  make test             everything: lint, reference tests, skeleton sync, fail-proof, notebooks"
+	@echo "                       (TEST_JOBS=2 processes at once, the default; TEST_JOBS=0: one)"
 	@echo "  make lint             ruff (lint + format check) and mypy on solutions/, stages/, tools/, tests/ (seconds)"
 	@echo "  make gpu-check OUT=DIR        on a GPU: stage 8's CUDA path checked model-free (REHEARSAL=1: on a CPU)"
 	@echo "  make gpu-check-full OUT=DIR   on a GPU, second run: default model, GPU tests, notebook 08"
@@ -145,8 +154,8 @@ lint: setup
 
 test: setup lint
 	$(PY) tools/make_skeleton.py --check
-	$(REFERENCE) ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) -m pytest tests $(PYTEST_ARGS)
-	ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) tools/prove_tests_fail.py
+	$(REFERENCE) ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PARALLEL) $(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+	ENGINE_REQUIRE_DEFAULT_MODEL=1 $(PY) tools/prove_tests_fail.py --jobs $(or $(filter-out 0,$(TEST_JOBS)),1)
 	@$(MAKE) --no-print-directory notebooks
 
 # The GPU check, sized for a borrowed GPU (README: "On a GPU"). gpu-check needs only a Python with
@@ -184,7 +193,7 @@ notebooks: setup
 	@shopt -s nullglob; notebooks=(notebooks/*.ipynb); \
 	if [ $${#notebooks[@]} -eq 0 ]; then echo "notebooks: none yet (notebooks/*.ipynb)"; exit 0; fi; \
 	$(REFERENCE) PYTHONPATH=$(CURDIR)/tools/switch_site$${PYTHONPATH:+:$$PYTHONPATH} \
-	  $(PY) -m pytest --nbval-lax -p no:cacheprovider "$${notebooks[@]}" $(PYTEST_ARGS)
+	  $(PARALLEL) $(PY) -m pytest --nbval-lax -p no:cacheprovider "$${notebooks[@]}" $(XDIST) $(PYTEST_ARGS)
 
 # The reference server on the default model (or --url a running one) under good, malformed, huge,
 # disconnecting and slow clients; prints leaked KV slots and each process's memory (tools/soak_serving.py).
