@@ -246,6 +246,10 @@ class SchedulerProcess:
                 continue
             if out.finish_reason is not None:
                 del self.reqs[out.rid]
+                if out.finish_reason.type == "abort" and req.grammar_error is not None:
+                    # stage 11: its grammar did not compile, or the grammar library gave up on it
+                    self.send_to_detokenizer.send_pyobj(ErrorOut(out.rid, req.grammar_error, 400))
+                    continue
             batch.rids.append(out.rid)
             batch.new_token_ids.append(list(out.new_token_ids))
             batch.finish_reasons.append(out.finish_reason)

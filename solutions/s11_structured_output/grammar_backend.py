@@ -65,17 +65,25 @@ class Grammar:
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
         self.num_tokens = 0
+        self.failure: str | None = None  # why the library gave up on this grammar (see accept_token)
 
     def accept_token(self, token_id: int) -> None:
         """The sampled token moves the grammar on. The mask allowed only tokens the grammar
-        accepts, so a refusal is a bug (a mask applied to the wrong row), never the model's fault."""
-        if not self.matcher.consume_token(token_id):
-            raise RuntimeError(
-                f"the grammar refused token {token_id}, which its mask should have forbidden: is the bitmask "
-                "unpacked with bit j of word w = token 32*w + j, and applied to the row of its own request? "
-                f"({self.matcher.get_error()[:200]})"
-            )
-        self.num_tokens += 1
+        accepts, so a token it forbids is a bug (a mask applied to the wrong row), never the
+        model's fault: that raises. The library may also give up on an allowed token, when
+        matching it would pass one of its limits (a regex such as a{1000000}): then ``failure``
+        says why, and the scheduler ends this request alone, with that error."""
+        if not self.matcher.is_error():  # else it gave up while filling this step's mask
+            allowed = self.matcher.validate_tokens([token_id]) == 1  # (an EOS that ends it counts 0 here)
+            if self.matcher.consume_token(token_id):
+                self.num_tokens += 1
+                return
+            if not allowed:
+                raise RuntimeError(
+                    f"the grammar refused token {token_id}, which its mask should have forbidden: is the bitmask "
+                    "unpacked with bit j of word w = token 32*w + j, and applied to the row of its own request?"
+                )
+        self.failure = "the grammar library gave up on this grammar: " + self.matcher.get_error().split("\n")[0]
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens of the next step into ``bitmask[row]`` (int32, 32 tokens per

@@ -137,9 +137,19 @@ class GrammarScheduler(OverlapScheduler):
     ) -> list[TokenOutput]:
         """Each constrained request's grammar consumes its token first, then stage 10's processing
         (the stop checks: EOS, the only token a complete grammar allows, ends the request)."""
+        gave_up: list[Req] = []
         if any(req.grammar is not None for req in launched.sampled):  # free steps are stage 10's alone
             self.accept_tokens(launched.sampled, token_ids)
-        return super().process_batch_result_overlap(launched, token_ids, next_batch)
+            gave_up = [r for r in launched.sampled if r.grammar is not None and r.grammar.failure and not r.finished]
+        for req in gave_up:  # the library's limits: this request ends with the reason, the batch goes on
+            # as stage 10's abort of a request in flight: out of running, released below with its token dropped
+            self.running.remove(req)
+            req.abort()
+            req.time_stats.finished = self.clock()
+            req.grammar_error = req.grammar.failure
+            self.ending.append(req)
+        outputs = super().process_batch_result_overlap(launched, token_ids, next_batch)
+        return outputs + [TokenOutput(req.rid, [], req.finished_reason) for req in gave_up]
 
     def accept_tokens(self, sampled: list[Req], token_ids: list[int]) -> None:
         """Move each constrained request's grammar on by its sampled token (row i of ``token_ids``

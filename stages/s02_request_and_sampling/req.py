@@ -103,7 +103,7 @@ class Req:
         self.prefix_match: PrefixMatch | None = None  # stage 5: what the prefix cache gave it (locked)
         self.time_stats = TimeStats()  # stage 5: when the scheduler queued, admitted, retracted it
         self.grammar: Grammar | None = None  # stage 11: its place in its grammar, once compiled (None: free)
-        self.grammar_error: str | None = None  # stage 11: why its grammar did not compile (it was aborted)
+        self.grammar_error: str | None = None  # stage 11: why it was aborted (no compile, or the library gave up)
 
         # Every request owns its random stream, so its tokens depend only on its seed, never
         # on which other requests happen to share the batch. Without a seed we draw one and

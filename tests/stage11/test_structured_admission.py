@@ -112,3 +112,26 @@ def test_bad_grammar_fields_are_refused_at_once(fields, message):
         assert message in str(error), f"StructuredSamplingParams({fields}): the error should say {message!r}: {error}"
     else:
         pytest.fail(f"StructuredSamplingParams({fields}) should be refused with a ValueError saying {message!r}")
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_a_grammar_the_library_gives_up_on_ends_alone(tiny_models_root, disable_overlap):
+    """a{1000000} compiles, but matching its first token passes one of llguidance's limits: that
+    request ends (abort, with the library's reason), and the requests in its batch go on."""
+    engine = engine_on(tiny_models_root / "qwen3", pool_size=1024, disable_overlap=disable_overlap)
+    free = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    [expected] = engine.generate([[70, 73]], free)
+    hopeless = engine.add_request([70, 71], constrained("regex", "a{1000000}"))
+    good = engine.add_request([70, 72], constrained("regex", REGEXES[0]))
+    plain = engine.add_request([70, 73], free)
+    outputs = run_until_idle(engine)
+    assert hopeless.finished_reason is not None and hopeless.finished_reason.type == "abort", (
+        f"a request whose grammar the library gave up on should end with finish reason abort: {hopeless}"
+    )
+    assert hopeless.grammar_error and "gave up" in hopeless.grammar_error, (
+        f"its grammar_error should say the library gave up, and why: {hopeless.grammar_error!r}"
+    )
+    assert any(out.rid == hopeless.rid and out.finish_reason and out.finish_reason.type == "abort" for out in outputs)
+    assert_follows(good.output_text, good.finished_reason, "regex", REGEXES[0], "a constrained request beside it")
+    assert plain.output_ids == expected.output_ids, "a free request beside it should run as if alone"
+    check_all(engine, "after the library gave up on a grammar")

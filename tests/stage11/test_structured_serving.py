@@ -143,3 +143,15 @@ def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param,
         f"{body}: expected a 400 on {param!r} mentioning {words!r}; got {response.status_code} {response.text[:300]}"
     )
     assert server.health().status_code == 200, "the server should serve on after a refused grammar"
+
+
+def test_a_grammar_the_library_gives_up_on_is_a_400_with_its_reason(server):
+    """a{1000000} passes the check (it compiles) but not llguidance's limits once matching starts:
+    the scheduler ends that request alone, and its client gets a 400 with the library's reason."""
+    request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+    response = post(server, "/v1/chat/completions", {**request, "regex": "a{1000000}"})
+    message = response.json().get("error", {}).get("message", "") if response.status_code == 400 else ""
+    assert "gave up" in message, (
+        f"expected a 400 saying the library gave up; got {response.status_code} {response.text[:300]}"
+    )
+    assert post(server, "/v1/chat/completions", {**request, "regex": "(yes|no)"}).status_code == 200
