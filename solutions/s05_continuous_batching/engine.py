@@ -53,7 +53,7 @@ class RequestOutput(GenerateOutput):
 
     ttft: float | None  # seconds from arrival to the first token (None if it never got one)
     latency: float | None  # seconds from arrival to the end (None if it never ran)
-    error: str | None = None  # why the request was rejected (then finish_reason is "abort", no tokens)
+    error: str | None = None  # why the request was rejected or its grammar failed (finish_reason "abort")
 
 
 def default_pool_size(model: CausalLM, page_size: int, max_running_requests: int, max_context_len: int) -> int:
@@ -77,6 +77,7 @@ def request_output(req: Req) -> RequestOutput:
         **vars(make_output(req)),
         ttft=None if times.first_token is None or arrival is None else times.first_token - arrival,
         latency=None if times.finished is None or arrival is None else times.finished - arrival,
+        error=req.grammar_error,  # stage 11: an aborted request says why its grammar failed
     )
 
 

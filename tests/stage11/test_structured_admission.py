@@ -135,3 +135,7 @@ def test_a_grammar_the_library_gives_up_on_ends_alone(tiny_models_root, disable_
     assert_follows(good.output_text, good.finished_reason, "regex", REGEXES[0], "a constrained request beside it")
     assert plain.output_ids == expected.output_ids, "a free request beside it should run as if alone"
     check_all(engine, "after the library gave up on a grammar")
+    [offline] = engine.generate([[70, 71]], constrained("regex", "a{1000000}"))
+    assert offline.finish_reason.type == "abort" and offline.error and "gave up" in offline.error, (
+        f"generate() should hand the reason back in the output's error: {offline}"
+    )
