@@ -337,12 +337,17 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         in_flight = next((req for req in self.last.batch.reqs if req.rid == rid), None) if self.last else None
         if in_flight is None or in_flight.finished:
             return super().abort_request(rid)
-        if in_flight in self.running:
-            self.running.remove(in_flight)
-        in_flight.abort()
-        in_flight.time_stats.finished = self.clock()
-        self.ending.append(in_flight)
+        self.abort_in_flight(in_flight)
         return True
+
+    def abort_in_flight(self, req: Req) -> None:
+        """End a request that a step still holds: out of running now; what it holds is released
+        when that step is processed (``ending``: its token is dropped then)."""
+        if req in self.running:
+            self.running.remove(req)
+        req.abort()
+        req.time_stats.finished = self.clock()
+        self.ending.append(req)
 
     def abort_failed_step(self) -> list[Req]:
         """A step raised (in its forward, its sampling or its processing): let the worker finish

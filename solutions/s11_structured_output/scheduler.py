@@ -142,12 +142,8 @@ class GrammarScheduler(OverlapScheduler):
             self.accept_tokens(launched.sampled, token_ids)
             gave_up = [r for r in launched.sampled if r.grammar is not None and r.grammar.failure and not r.finished]
         for req in gave_up:  # the library's limits: this request ends with the reason, the batch goes on
-            # as stage 10's abort of a request in flight: out of running, released below with its token dropped
-            self.running.remove(req)
-            req.abort()
-            req.time_stats.finished = self.clock()
             req.grammar_error = req.grammar.failure
-            self.ending.append(req)
+            self.abort_in_flight(req)  # released below, its token dropped
         outputs = super().process_batch_result_overlap(launched, token_ids, next_batch)
         return outputs + [TokenOutput(req.rid, [], req.finished_reason) for req in gave_up]
 
