@@ -528,8 +528,8 @@ MUTANTS: list[Mutant] = [
         "s07_chunked_prefill/scheduler.py",
         "a request whose prefill is unfinished is never sampled (its logits mean nothing yet)",
         edit(
-            "return super().process_batch_result(others, logits[rest])",
-            "return super().process_batch_result(batch, logits)",
+            "sampled = super().process_batch_result(others, logits[rest])",
+            "sampled = super().process_batch_result(batch, logits)",
         ),
         r"sampled with only",
     ),
@@ -553,6 +553,24 @@ MUTANTS: list[Mutant] = [
         "chunked_prefill_size=None turns chunking off: every prompt is computed whole (stage 6's behaviour)",
         edit("if self.chunked_prefill_size is None or budget < 1:", "if budget < 1:"),
         r"chunked_prefill_size=None",
+    ),
+    Mutant(
+        "s07-no-in-batch-check",
+        "s07_chunked_prefill/scheduler.py",
+        "waiting requests are admitted through admit_waiting, which holds back one that would compute again a "
+        "prefix a request ahead of it computes in the same pass",
+        edit(
+            "return continuing + self.admit_waiting(scheduled=[*scheduled, *continuing], budget=budget)",
+            "return continuing + super().admit_new_requests(scheduled=[*scheduled, *continuing], budget=budget)",
+        ),
+        r"held_back|wait a step|hold C back",
+    ),
+    Mutant(
+        "s07-prompt-not-shared",
+        "s07_chunked_prefill/scheduler.py",
+        "a request's prompt goes into the tree right after its prefill (share_prompts), not only when it leaves",
+        edit("        self.share_prompts(others.prefill_reqs)\n", ""),
+        r"share_prompts|into the tree",
     ),
     # --- stage 8: CUDA graphs (regions that exist now, picked away from the capture protocol) -----
     Mutant(

@@ -17,6 +17,13 @@ cutting a prompt uses up the step's budget):
 - after each chunk its K/V go to the prefix cache (``cache_unfinished_req``): with the radix
   cache, the finished chunks are shared and survive a retraction;
 - when the pool runs short it is retracted first (it has produced nothing for its user yet).
+
+A prompt is shared as soon as it is computed, not only when its request leaves (SGLang does the
+same): after its last chunk every prefilled request's prompt goes into the tree too. And requests
+that arrive together with the same long prefix (a system prompt) must not all compute it in the
+same step: a waiting request that would compute again what a request ahead of it computes in this
+pass (at least ``IN_BATCH_SHARED_MIN`` tokens) is held back for this step (SGLang's in-batch prefix
+check), and finds the prefix in the tree in the next one.
 """
 
 from __future__ import annotations
@@ -28,9 +35,25 @@ import torch
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.allocator import pages_for
 from s05_continuous_batching.schedule_batch import ScheduleBatch
+from s06_radix_cache.radix_cache import RadixCache
 from s06_radix_cache.scheduler import RadixScheduler
 
 from .prefix_cache import ChunkedPrefixCache
+
+# A waiting request that would compute at least IN_BATCH_SHARED_MIN tokens that a request ahead of
+# it computes in the same pass waits a step instead (SGLang's threshold: a smaller overlap is not
+# worth a step of its time to first token). Only the first IN_BATCH_CHECK_WINDOW waiting requests
+# are compared: the check runs every step.
+IN_BATCH_SHARED_MIN = 32
+IN_BATCH_CHECK_WINDOW = 128
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int) -> int:
+    """How many tokens ``a`` and ``b`` have in common from position ``start`` on."""
+    n, i = min(len(a), len(b)), start
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i - start
 
 
 def prefill_pending(req: Req) -> bool:
@@ -91,7 +114,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []
-        # BEGIN EXERCISE: the half-prefilled request's next chunk first, then stage 5's admission
+        # BEGIN EXERCISE: the half-prefilled request's next chunk first, then the waiting requests'
         # [#the-half-prefilled-request-chunked_req]
         req = self.chunked_req
         if req is not None:
@@ -104,8 +127,55 @@ class ChunkedPrefillScheduler(RadixScheduler):
             continuing.append(req)
             if prefill_pending(req):
                 return continuing
-        return continuing + super().admit_new_requests(scheduled=[*scheduled, *continuing], budget=budget)
+        return continuing + self.admit_waiting(scheduled=[*scheduled, *continuing], budget=budget)
         # END EXERCISE
+
+    def admit_waiting(self, scheduled: Sequence[Req], budget: int) -> list[Req]:
+        """Stage 6's admission of waiting requests after ``scheduled``, with the waiting requests
+        that would compute again a prefix a request ahead of them computes in this pass held back
+        for one step (``held_back``); they keep their places in the queue."""
+        order = {id(req): i for i, req in enumerate(self.waiting)}
+        held = self.held_back(scheduled)
+        if not held:
+            return super().admit_new_requests(scheduled=scheduled, budget=budget)
+        held_ids = set(map(id, held))
+        kept = [req for req in self.waiting if id(req) not in held_ids]
+        self.waiting.clear()
+        self.waiting.extend(kept)
+        try:
+            return super().admit_new_requests(scheduled=scheduled, budget=budget)
+        finally:
+            rest = sorted([*self.waiting, *held], key=lambda req: order.get(id(req), -1))
+            self.waiting.clear()
+            self.waiting.extend(rest)
+
+    def held_back(self, scheduled: Sequence[Req]) -> list[Req]:
+        """The waiting requests (among the first IN_BATCH_CHECK_WINDOW) that would compute again at
+        least IN_BATCH_SHARED_MIN tokens that a request ahead of them (one of ``scheduled``, or a
+        waiting one not held back) computes in this pass: the same cached prefix, then the same
+        next tokens. Next step they find those in the tree. Only with a cache that shares (the
+        radix tree)."""
+        if not isinstance(self.prefix_cache, RadixCache):
+            return []
+        # Requests ahead, grouped by where their uncached part starts: the same tree node at the
+        # same length is the same cached prefix, so only the tokens after it need comparing.
+        ahead: dict[tuple, list[Req]] = {}
+        for req in scheduled:
+            if req.prefix_match is not None:
+                ahead.setdefault((req.prefix_match.node, req.prefix_match.cached_len), []).append(req)
+        held = []
+        for i, req in enumerate(self.waiting):
+            if i == IN_BATCH_CHECK_WINDOW:
+                break
+            match = self.prefix_cache.match_prefix(req.fill_ids[:-1])
+            start = match.cached_len
+            group = ahead.setdefault((match.node, start), [])
+            shared = max((common_prefix_len(req.fill_ids, other.fill_ids, start) for other in group), default=0)
+            if shared >= IN_BATCH_SHARED_MIN:
+                held.append(req)
+            else:
+                group.append(req)
+        return held
 
     # --- after the pass ----------------------------------------------------------------------------
 
@@ -137,8 +207,19 @@ class ChunkedPrefillScheduler(RadixScheduler):
             decode_reqs=batch.decode_reqs,
             prefill_reqs=[req for req in batch.prefill_reqs if not prefill_pending(req)],
         )
-        return super().process_batch_result(others, logits[rest])
+        sampled = super().process_batch_result(others, logits[rest])
+        self.share_prompts(others.prefill_reqs)
+        return sampled
         # END EXERCISE
+
+    def share_prompts(self, prefilled: Sequence[Req]) -> None:
+        """The requests in ``prefilled`` computed their last chunk in this pass: those still
+        running hand their prompt's K/V to the prefix cache now (``cache_unfinished_req``), so a
+        request held back behind one of them (``held_back``) finds it in the next step instead of
+        when it leaves. A finished one was handed over by its release already."""
+        for req in prefilled:
+            if not req.finished:
+                self.cache_unfinished_req(req)
 
     # --- the half-prefilled request elsewhere ------------------------------------------------------
 

@@ -34,6 +34,10 @@ What makes it hard, and how each case is handled here:
   step in flight and processes it (a sync point, rare in decode-heavy serving).
 - the radix cache: a leaving request's K/V are inserted once, with its real tokens and exactly
   the positions stage 8 inserts (never the dropped extra one).
+- shared prompts (stage 7): a prompt reaches the tree only when its step is processed, after the
+  next step was built, so the in-batch check counts the prompts of the step in flight as ahead
+  too; and a prompt whose insert would swap some of its slots for the tree's copies (rows the
+  step in flight reads) is handed over when its request leaves instead.
 
 ``enable_overlap = False`` runs the same pieces in the plain order (schedule, run, process), the
 forward on the scheduler's own thread as in stage 8: what the timeline compares against.
@@ -44,7 +48,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Sequence
 
 from s02_request_and_sampling.engine import check_not_stuck
 from s02_request_and_sampling.req import Req
@@ -237,6 +241,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.running.remove(req)
             self.chunked_req = req
         outputs, got_token = self.process_sampled(launched, token_ids, next_batch)
+        self.share_prompts([req for req in launched.batch.prefill_reqs if req not in launched.chunked])
         now = self.clock()
         for req in got_token:
             if req.time_stats.first_token is None:
@@ -244,6 +249,24 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             if req.finished:
                 req.time_stats.finished = now
         return outputs
+
+    def held_back(self, scheduled: Sequence[Req]) -> list[Req]:
+        """Stage 7's in-batch prefix check, with the prompts of the step in flight counted as
+        ahead too: they reach the tree only when that step is processed, after this one is built."""
+        in_flight = self.last.batch.prefill_reqs if self.last is not None else []
+        return super().held_back([*scheduled, *in_flight])
+
+    def share_prompts(self, prefilled: Sequence[Req]) -> None:
+        """Stage 7's, while the next step may already be running and reading these requests'
+        table rows: only a prompt of which the tree holds nothing beyond the request's own match
+        is handed over now (the insert then leaves its row as it is); one that would swap some of
+        its slots for the tree's copies is handed over when the request leaves."""
+        for req in prefilled:
+            if req.finished:
+                continue
+            held = self.prefix_cache.match_prefix(req.fill_ids[: req.cached_len]).cached_len
+            if held <= req.prefix_match.cached_len:
+                super().share_prompts([req])
 
     def process_sampled(
         self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None

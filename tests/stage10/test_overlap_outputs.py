@@ -73,3 +73,23 @@ def test_every_knob_gives_the_tokens_of_stage_8(tiny_models_root, page_size):
                     f"{what}: the pool was meant to be too small, yet nothing was retracted"
                 )
             assert_pool_free_after_tree(engine, what)
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_a_shared_system_prompt_is_computed_once_under_overlap(tiny_models_root, disable_overlap):
+    path = tiny_models_root / "qwen3"
+    system, tails = random_prompt(60, seed=11), [5, 7, 3, 6]
+    prompts = [system + random_prompt(n, seed=20 + n) for n in tails]
+    what = f"qwen3, {'no ' if disable_overlap else ''}overlap, 4 requests sharing a 60-token prefix, tails {tails}"
+    engine = engine_on(path, disable_overlap=disable_overlap, pool_size=1024)
+    reqs, _ = run_checked(engine, prompts, greedy(4), what)
+    unshared = len(system) + sum(tails)
+    assert engine.scheduler.stats.prefill_tokens == unshared, (
+        f"{what}: the passes computed {engine.scheduler.stats.prefill_tokens} prompt tokens, the unshared part is "
+        f"{unshared}: with overlap the first request's prompt reaches the tree only when its step is processed, "
+        "after the next step is built, so stage 7's in-batch check (held_back) must count the prompts of the step "
+        "in flight as ahead too, and share_prompts must hand the prompt to the tree when that step is processed"
+    )
+    for req, prompt in zip(reqs, prompts):
+        assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 4), f"{what}: request {req.rid} vs transformers")
+    assert_pool_free_after_tree(engine, what)
