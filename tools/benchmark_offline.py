@@ -27,6 +27,7 @@ Nothing is asserted: the numbers depend on the machine as much as on the code.
     python tools/benchmark_offline.py --quick                  # a quarter of the requests, short outputs
     python tools/benchmark_offline.py --workload b --json reports/b.json
     python tools/benchmark_offline.py --stage 5 --workload a   # an earlier stage's engine
+    python tools/benchmark_offline.py --stage 11               # the engine make serve runs (overlap, grammars)
     make bench-peer                                            # with vLLM (its own venv)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
@@ -128,7 +129,14 @@ class EngineRun:
 
 
 def engine_class(stage: int):
-    module = {5: "s05_continuous_batching", 6: "s06_radix_cache", 7: "s07_chunked_prefill", 8: "s08_cuda_graph"}[stage]
+    module = {
+        5: "s05_continuous_batching",
+        6: "s06_radix_cache",
+        7: "s07_chunked_prefill",
+        8: "s08_cuda_graph",
+        10: "s10_overlap_scheduling",
+        11: "s11_structured_output",
+    }[stage]
     return __import__(f"{module}.engine", fromlist=["Engine"]).Engine
 
 
@@ -467,7 +475,7 @@ def load_transformers(path, dtype, device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--stage", type=int, default=8, choices=[5, 6, 7, 8], help="whose engine (default 8: the final one)"
+        "--stage", type=int, default=8, choices=[5, 6, 7, 8, 10, 11], help="whose engine (default 8; 11: the one make serve runs)"
     )
     parser.add_argument("--workload", default="a,b,c,d", help="comma-separated: a, b, c, d (default: all)")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests, at most 32 output tokens each")
