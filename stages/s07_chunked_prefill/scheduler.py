@@ -108,7 +108,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
 
     def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """The half-prefilled request's next chunk first, then stage 5's admission of waiting
-        requests in what is left of the budget (where the last one admitted may be cut).
+        requests in what is left of the budget (where the last one admitted may be cut), minus
+        those held back for sharing a prefix with a request ahead of them (``admit_waiting``).
         ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []  # noqa: F841
