@@ -475,7 +475,11 @@ def load_transformers(path, dtype, device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--stage", type=int, default=8, choices=[5, 6, 7, 8, 10, 11], help="whose engine (default 8; 11: the one make serve runs)"
+        "--stage",
+        type=int,
+        default=8,
+        choices=[5, 6, 7, 8, 10, 11],
+        help="whose engine (default 8; 11: the one make serve runs)",
     )
     parser.add_argument("--workload", default="a,b,c,d", help="comma-separated: a, b, c, d (default: all)")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests, at most 32 output tokens each")
