@@ -22,8 +22,9 @@ A prompt is shared as soon as it is computed, not only when its request leaves (
 same): after its last chunk every prefilled request's prompt goes into the tree too. And requests
 that arrive together with the same long prefix (a system prompt) must not all compute it in the
 same step: a waiting request that would compute again what a request ahead of it computes in this
-pass (at least ``IN_BATCH_SHARED_MIN`` tokens) is held back for this step (SGLang's in-batch prefix
-check), and finds the prefix in the tree in the next one.
+pass (at least ``IN_BATCH_SHARED_MIN`` tokens) is held back for this step (after SGLang's in-batch
+prefix check, which moves it to the back of its longest-prefix order), and finds the prefix in the
+tree in the next one.
 """
 
 from __future__ import annotations
