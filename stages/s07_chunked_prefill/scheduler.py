@@ -122,10 +122,10 @@ class ChunkedPrefillScheduler(RadixScheduler):
         """Stage 6's admission of waiting requests after ``scheduled``, with the waiting requests
         that would compute again a prefix a request ahead of them computes in this pass held back
         for one step (``held_back``); they keep their places in the queue."""
-        order = {id(req): i for i, req in enumerate(self.waiting)}
         held = self.held_back(scheduled)
         if not held:
             return super().admit_new_requests(scheduled=scheduled, budget=budget)
+        order = {id(req): i for i, req in enumerate(self.waiting)}
         held_ids = set(map(id, held))
         kept = [req for req in self.waiting if id(req) not in held_ids]
         self.waiting.clear()
@@ -143,8 +143,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
         waiting one not held back) computes in this pass: the same cached prefix, then the same
         next tokens. Next step they find those in the tree. Only with a cache that shares (the
         radix tree)."""
-        if not isinstance(self.prefix_cache, RadixCache):
-            return []
+        if not isinstance(self.prefix_cache, RadixCache) or len(self.waiting) + len(scheduled) < 2:
+            return []  # nothing shares, or no one to share with (a lone request: no tree walk per step)
         # Requests ahead, grouped by where their uncached part starts: the same tree node at the
         # same length is the same cached prefix, so only the tokens after it need comparing.
         ahead: dict[tuple, list[Req]] = {}
