@@ -27,7 +27,7 @@ Nothing is asserted: the numbers depend on the machine as much as on the code.
     python tools/benchmark_offline.py --quick                  # a quarter of the requests, short outputs
     python tools/benchmark_offline.py --workload b --json reports/b.json
     python tools/benchmark_offline.py --stage 5 --workload a   # an earlier stage's engine
-    python tools/benchmark_offline.py --stage 11               # the engine make serve runs (overlap, grammars)
+    python tools/benchmark_offline.py --stage 11               # make serve's engine (overlap where it pays)
     make bench-peer                                            # with vLLM (its own venv)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
@@ -396,10 +396,16 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
         knobs["pool_size"] = args.pool_size
     if args.stage >= 8:
         knobs.update(torch_threads=args.threads, enable_torch_compile=args.torch_compile)
+    if args.overlap != "auto":
+        knobs["disable_overlap"] = args.overlap == "off"
     engine = Engine(model, tokenizer, **knobs)
     engine.generate(
         [list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2)
     )  # warm-up (no prefix of the workload)
+    overlap = ""
+    if hasattr(engine.scheduler, "enable_overlap"):  # stages 10-11
+        overlap = f", overlap {'on' if engine.scheduler.enable_overlap else 'off'}"
+        row["overlap"] = engine.scheduler.enable_overlap
     progress.update("engine")
     run, seconds = timed(partial(run_engine, engine, workload), device)
     progress.clear()
@@ -408,7 +414,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
         "engine",
         seconds,
         f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
-        f"prefill tokens {run.stats['prefill_tokens']})",
+        f"prefill tokens {run.stats['prefill_tokens']}{overlap})",
     )
     del engine
 
@@ -492,6 +498,12 @@ def main() -> None:
         "--time-limit", type=float, default=1800, help="seconds each transformers baseline may run per workload"
     )
     parser.add_argument("--torch-compile", action="store_true", help="the engine with enable_torch_compile (stage 8)")
+    parser.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="stages 10-11: overlap scheduling (default: the engine's, on a CPU only with a core to spare)",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument(
@@ -504,6 +516,8 @@ def main() -> None:
     names = args.workload.split(",")
     if not set(names) <= set("abcd"):
         parser.error(f"--workload takes a, b, c and d, got {args.workload!r}")
+    if args.overlap != "auto" and args.stage < 10:
+        parser.error(f"--overlap needs stage 10 or 11's engine (--stage), not stage {args.stage}'s")
 
     threads = set_torch_threads(args.threads)
     args.model_path = resolve_model_path(args.model or default_model_path())

@@ -57,8 +57,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
-    """The engine the server runs: the newest stage's, stage 11's (stage 10's overlapped engine with
-    structured output); with ``--disable-overlap``, stage 8's, without the overlapped loop. Stages
+    """The engine the server runs: the newest stage's, stage 11's (stage 10's engine with structured
+    output, overlapped where it pays); with ``--disable-overlap``, stage 8's, without the overlapped loop. Stages
     10 and 11 are imported only when they are served, so this stage (and its tests, which pass
     ``--disable-overlap``) needs nothing beyond stage 9."""
     knobs = dict(knobs)
@@ -71,7 +71,8 @@ def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
 
         return TPEngine(model, **knobs)
     knobs.pop("tp_size", None)
-    if knobs.pop("disable_overlap", False):
+    if knobs.get("disable_overlap"):  # --enable-overlap passes False on to stage 11's engine
+        del knobs["disable_overlap"]
         return CudaGraphEngine(model, **knobs)
     from s11_structured_output.engine import Engine  # here, not at the top: see the docstring
 
@@ -330,6 +331,7 @@ def run_scheduler_process(server_args, ipc, ready, heartbeats) -> None:
             "device": str(engine.model.device),
             "vocab_size": engine.model.config.vocab_size,
             "max_running_requests": engine.scheduler.max_running_requests,
+            "engine": engine.describe(),  # printed at start: threads, graphs, overlap, pool
         }
     )
     scheduler.event_loop()

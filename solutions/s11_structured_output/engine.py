@@ -7,7 +7,7 @@ a grammar its output must follow::
     StructuredSamplingParams(regex=r"(yes|no)")                       # SGLang's regex extension
 
 Free requests (plain SamplingParams) run exactly as in stage 10, in the same batches. Both loops
-work: overlap on (the default) and ``disable_overlap=True``.
+work: overlapped (``disable_overlap=False``) and plain (``disable_overlap=True``).
 """
 
 from __future__ import annotations

@@ -265,7 +265,8 @@ def launch_server(server_args: ServerArgs) -> int:
         launcher.monitor(on_death)
         print(
             f"serving {names[0]} on http://{server_args.host}:{server_args.port}/v1 "
-            f"(device {scheduler['device']}, context {context} tokens, pids {pids}); Ctrl-C stops it",
+            f"(device {scheduler['device']}, context {context} tokens, pids {pids}); Ctrl-C stops it\n"
+            + "\n".join(f"  {line}" for line in scheduler["engine"].splitlines()),
             flush=True,
         )
         server.run()

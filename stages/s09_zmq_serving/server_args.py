@@ -46,7 +46,13 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
         "--disable-overlap",
         "disable_overlap",
         "flag",
-        "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 10's overlap)",
+        "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 11's engine)",
+    ),
+    (
+        "--enable-overlap",
+        "disable_overlap",
+        "disable",
+        "overlap scheduling always (stage 10; default: with CUDA, or when torch's threads leave a CPU core free)",
     ),
     ("--tp-size", "tp_size", int, "tensor-parallel ranks (stage 12; default 1: one process)"),
     (
@@ -200,6 +206,8 @@ def from_cli_args(args: argparse.Namespace) -> ServerArgs:
                 knobs[keyword] = kind == "flag"
         elif value is not None:
             knobs[keyword] = value  # a dtype stays a string here: the scheduler process turns it into torch's
+    if args.enable_overlap and args.disable_overlap:
+        raise SystemExit("--enable-overlap and --disable-overlap contradict each other: give one of them")
     model = args.model if args.model is not None else str(default_model_path())
     if args.max_queued_requests < 0:
         raise SystemExit(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")

@@ -5,8 +5,9 @@
     engine.tp.counts                          # collectives rank 0 called: all_reduce, gather, broadcast
     engine.shutdown()                         # or `with Engine(...) as engine:`; no process is left
 
-Rank 0 (this process) does everything stages 10 and 11 do: it schedules (overlapped, as SGLang
-does under TP), masks and samples from the full logits and streams. What changes is underneath:
+Rank 0 (this process) does everything stages 10 and 11 do: it schedules (overlapped where it
+pays, as SGLang does under TP), masks and samples from the full logits and streams. What changes
+is underneath:
 
 - the model is ``TPCausalLM`` (model.py), each rank loading only its slices (weight_loader.py);
 - the runner (``TPModelRunner``) broadcasts each step's batch to the other ranks before it runs
@@ -114,6 +115,10 @@ class TPEngine(base.StructuredOutputEngine):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def forward_threads(self) -> int:
+        """Every rank computes each step, each on torch's thread count (on a CPU, one machine)."""
+        return torch.get_num_threads() * self.config.tp_size
 
     def describe(self) -> str:
         c = cast(TPCausalLM, self.model).config

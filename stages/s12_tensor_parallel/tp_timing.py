@@ -3,8 +3,8 @@ collectives' communication (``TPGroup.comm_seconds``), for tp=1 and tp=N on the 
 Shared by the milestone (``python -m s12_tensor_parallel``) and notebook 12.
 
 The runs use the plain loop (``disable_overlap=True``): each step's forward then runs alone, and
-its span in the scheduler's timeline is the forward's own time. (The engine overlaps by default,
-under TP as without it; only this measurement turns it off.)"""
+its span in the scheduler's timeline is the forward's own time. (The engine overlaps where it
+pays, under TP as without it; this measurement turns it off.)"""
 
 from __future__ import annotations
 

@@ -16,8 +16,11 @@ from s10_overlap_scheduling.engine import OverlapEngine
 
 
 def engine_on(path, stage: int = 10, **knobs):
-    """A stage-10 (or stage-8) engine on a tiny model; knobs go to its constructor."""
+    """A stage-10 (or stage-8) engine on a tiny model; knobs go to its constructor. A stage-10
+    engine overlaps unless told otherwise, on any machine (its own default depends on the cores)."""
     cls = OverlapEngine if stage == 10 else CudaGraphEngine
+    if stage == 10:
+        knobs.setdefault("disable_overlap", False)
     engine = cls(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
     if engine.tree_cache is not None:
         watch_evict(engine.tree_cache)

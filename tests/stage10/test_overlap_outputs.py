@@ -9,10 +9,13 @@ request's tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, random_prompt, run_checked
 from reference import assert_same_tokens, hf_greedy
+from s00_foundation.device import physical_cores
 from s02_request_and_sampling.sampling_params import SamplingParams
+from s10_overlap_scheduling.engine import overlap_by_default
 
 
 @pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
@@ -93,3 +96,27 @@ def test_a_shared_system_prompt_is_computed_once_under_overlap(tiny_models_root,
     for req, prompt in zip(reqs, prompts):
         assert_same_tokens(req.output_ids, hf_greedy(path, prompt, 4), f"{what}: request {req.rid} vs transformers")
     assert_pool_free_after_tree(engine, what)
+
+
+def test_overlap_is_on_by_default_only_where_the_scheduler_has_a_core(tiny_models_root):
+    """disable_overlap=None (the default): overlap with CUDA, and on a CPU only when the forward's
+    threads leave a physical core to the scheduler (with every core computing, the scheduler's
+    thread slows the forward more than overlap saves); the tokens are transformers' either way."""
+    path, cores, before = tiny_models_root / "llama", physical_cores(), torch.get_num_threads()
+    assert overlap_by_default(torch.device("cuda"), 64)[0], "with CUDA the forward runs on the GPU: overlap pays"
+    prompts, limits = [random_prompt(n, seed=n) for n in (5, 17)], [6, 4]
+    try:
+        for threads in sorted({1, cores}):
+            what = f"llama, the default overlap, {threads} torch thread(s) on {cores} physical core(s)"
+            engine = engine_on(path, disable_overlap=None, torch_threads=threads, pool_size=512)
+            assert engine.scheduler.enable_overlap == (threads < cores), (
+                f"{what}: overlap should be {'on' if threads < cores else 'off'} by default "
+                f"(on a CPU: on only when torch's threads leave a core free), is "
+                f"{'on' if engine.scheduler.enable_overlap else 'off'}"
+            )
+            assert "(auto: " in engine.describe(), f"{what}: describe() should say why: {engine.describe()}"
+            reqs, _ = run_checked(engine, prompts, [greedy(n) for n in limits], what)
+            for i, (req, prompt, n) in enumerate(zip(reqs, prompts, limits)):
+                assert_same_tokens(req.output_ids, hf_greedy(path, prompt, n), f"{what}: request {i} vs transformers")
+    finally:
+        torch.set_num_threads(before)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
@@ -20,21 +21,30 @@ from reference import engine_tokenizer  # noqa: E402
 from s08_cuda_graph.engine import CudaGraphEngine  # noqa: E402
 from s09_zmq_serving import scheduler_process  # noqa: E402
 from s09_zmq_serving.server_args import add_cli_args, from_cli_args  # noqa: E402
-from s10_overlap_scheduling.engine import OverlapEngine  # noqa: E402
+from s10_overlap_scheduling.engine import OverlapEngine, overlap_by_default  # noqa: E402
 from serving_helpers import Server, greedy, offline_outputs, stream_concurrently  # noqa: E402
 
 
 def test_the_server_runs_the_stage_10_engine_unless_overlap_is_disabled(tiny_models_root):
     path = tiny_models_root / "llama"
-    for flags, overlap in (([], True), (["--disable-overlap"], False)):
+    for flags, overlap in (([], None), (["--enable-overlap"], True), (["--disable-overlap"], False)):
         parser = argparse.ArgumentParser()
         add_cli_args(parser)
         args = from_cli_args(parser.parse_args(["--model", str(path), "--pool-size", "256", *flags]))
         engine = scheduler_process.build_engine(str(path), args.engine_knobs)
         served = type(engine).__name__
-        if overlap:
-            assert isinstance(engine, OverlapEngine) and engine.scheduler.enable_overlap, (
-                f"server flags {flags}: the server should run stage 10's OverlapEngine with overlap on, runs {served}"
+        if overlap is not False:
+            expected = (
+                overlap if overlap is not None else overlap_by_default(engine.model.device, torch.get_num_threads())[0]
+            )
+            assert isinstance(engine, OverlapEngine) and engine.scheduler.enable_overlap == expected, (
+                f"server flags {flags}: the server should run stage 10's OverlapEngine with overlap "
+                f"{'on' if expected else 'off'}, runs {served}"
+                + (
+                    f" with overlap {'on' if engine.scheduler.enable_overlap else 'off'}"
+                    if isinstance(engine, OverlapEngine)
+                    else ""
+                )
             )
         else:  # stage 8's engine: what stage 9's tests serve, with nothing of stage 10 needed
             assert type(engine) is CudaGraphEngine, (
@@ -53,7 +63,7 @@ def test_the_server_runs_the_stage_10_engine_unless_overlap_is_disabled(tiny_mod
 def overlap_server(tiny_models_root, tmp_path_factory):
     server = Server(
         tiny_models_root / "llama",
-        ["--pool-size", "2048", "--max-running-requests", "16"],
+        ["--pool-size", "2048", "--max-running-requests", "16", "--enable-overlap"],
         tmp_path_factory.mktemp("s10-server"),
     )
     yield server

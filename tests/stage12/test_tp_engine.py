@@ -42,7 +42,9 @@ def tp2(request, tiny_models_root):
 
 def test_greedy_tokens_equal_one_device(tp2):
     path, engine = tp2
-    assert engine.scheduler.enable_overlap, "the TP engine should keep stage 10's overlapped loop on by default"
+    assert engine.scheduler.enable_overlap, (
+        "the TP engine should run stage 10's overlapped loop when asked (disable_overlap=False)"
+    )
     expected = reference_outputs(path, greedy(10))
     cached_before = engine.scheduler.stats.cached_tokens
     got = [out.output_ids for out in engine.generate(PROMPTS, greedy(10))]

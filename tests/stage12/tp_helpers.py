@@ -11,7 +11,8 @@ from s10_overlap_scheduling.engine import OverlapEngine
 
 # Small pools and chunks: a 40-token prompt is prefilled in 3 chunks, and a shared system
 # prompt is found in the radix cache (both must still work when every rank runs the batch).
-KNOBS: dict[str, Any] = dict(pool_size=1024, max_running_requests=16, chunked_prefill_size=16)
+# disable_overlap=False: the overlapped loop on any machine (by default a CPU overlaps only with a core to spare)
+KNOBS: dict[str, Any] = dict(pool_size=1024, max_running_requests=16, chunked_prefill_size=16, disable_overlap=False)
 SYSTEM = [33 + i % 90 for i in range(24)]  # a shared prefix, longer than a chunk
 PROMPTS = [
     [72, 101, 108, 108, 111],
