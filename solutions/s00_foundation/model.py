@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_batch import ForwardBatch, ForwardMode
+from .linear import Linear, PackedWeight, linear
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -37,9 +38,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -53,10 +54,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d = config.head_dim
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -146,11 +147,11 @@ class CausalLM(DecoderLM):
         self.config = config
         self.model = DecoderStack(config)
         # Tied models reuse the embedding matrix as the output projection: no lm_head of their own.
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied_logits_packed = PackedWeight()  # the embedding matrix, prepacked as an output projection
         self.rotary = RotaryEmbedding(config)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        return linear(x, self.model.embed_tokens.weight, None, self.tied_logits_packed).float()

@@ -1,0 +1,61 @@
+"""The provided prepacked linear (s00 linear.py) computes F.linear, and never from a stale copy
+(not graded: this code is given, not written)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from s00_foundation import linear as linear_module
+from s00_foundation.linear import MIN_PREPACKED_ROWS, Linear
+
+needs_onednn = pytest.mark.skipif(
+    not linear_module.PREPACKING,
+    reason="this CPU or torch build has no oneDNN x86 kernels: every product is F.linear here",
+)
+
+
+def layer(bias: bool) -> Linear:
+    torch.manual_seed(0)
+    return Linear(96, 160, bias=bias).eval()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 130])
+def test_equals_f_linear(rows, bias):
+    lin, x = layer(bias), torch.randn(rows, 96)
+    with torch.inference_mode():
+        got = lin(x)
+    expected = F.linear(x, lin.weight, lin.bias)
+    if rows < MIN_PREPACKED_ROWS:
+        assert torch.equal(got, expected), f"{rows} rows: fewer than {MIN_PREPACKED_ROWS} must be F.linear itself"
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_takes_the_prepacked_path_from_min_rows():
+    lin = layer(bias=True)
+    with torch.inference_mode():
+        lin(torch.randn(MIN_PREPACKED_ROWS - 1, 96))
+        assert lin.packed.packed is None, "a product below MIN_PREPACKED_ROWS made a prepacked copy"
+        lin(torch.randn(MIN_PREPACKED_ROWS, 96))
+    assert lin.packed.packed is not None, "no prepacked copy after a product of MIN_PREPACKED_ROWS rows"
+
+
+def test_a_changed_weight_is_never_read_stale():
+    lin, x = layer(bias=False), torch.randn(16, 96)
+    with torch.inference_mode():
+        lin(x)  # makes the copy
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # written in place: the same tensor, a new version
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+    lin.weight = torch.nn.Parameter(torch.randn(160, 96))  # another tensor
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_state_dict_names_are_nn_linear_s():
+    assert set(layer(bias=True).state_dict()) == {"weight", "bias"}, "checkpoints load by nn.Linear's names"
