@@ -528,7 +528,7 @@ MUTANTS: list[Mutant] = [
         "s07_chunked_prefill/scheduler.py",
         "a request whose prefill is unfinished is never sampled (its logits mean nothing yet)",
         edit(
-            "sampled = super().process_batch_result(others, logits[rest])",
+            "sampled = super().process_batch_result(others, logits[rest] if pending else logits)",
             "sampled = super().process_batch_result(batch, logits)",
         ),
         r"sampled with only",

@@ -209,7 +209,8 @@ class ChunkedPrefillScheduler(RadixScheduler):
             decode_reqs=batch.decode_reqs,
             prefill_reqs=[req for req in batch.prefill_reqs if not prefill_pending(req)],
         )
-        sampled = super().process_batch_result(others, logits[rest])
+        # (indexing copies every row's logits: only when a row must go)
+        sampled = super().process_batch_result(others, logits[rest] if pending else logits)
         self.share_prompts(others.prefill_reqs)
         return sampled
         # END EXERCISE
