@@ -22,7 +22,8 @@ The same path serves two callers:
 
 - eager (``init_forward_metadata``): kv_len is the batch's longest sequence, the metadata are
   fresh tensors; in a MIXED batch the leading decode rows take this path and the extend rows
-  stage 4's per-request one.
+  stage 4's per-request one. On a CPU the eager decode does not gather at all: it reads the pool
+  through the table (table_attention.py), because there the copy costs as much as the attention.
 - a CUDA graph (``init_forward_metadata_capture/replay_cuda_graph``): kv_len is the bucket's, the
   metadata are views of buffers allocated once (``init_cuda_graph_state``) and refilled in place
   before each replay, so the recorded kernels read the current batch. A padded row has seq_len 1
@@ -42,7 +43,7 @@ from s00_foundation.forward_batch import ForwardBatch, ForwardMode, leading_deco
 from s04_paged_kv_pool.flash_backend import BLOCK_TABLE_PAGE_MULTIPLE, FlashAttentionBackend
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend
 
-DECODE_CACHE_BYTES = 8 << 20  # a CPU decode attends in groups of rows whose K and V fit this (see decode_rows_per_call)
+from .table_attention import TableDecodeMetadata, table_attention
 
 try:
     from flash_attn import flash_attn_with_kvcache
@@ -57,6 +58,8 @@ class DecodeMetadata:
     kv_indices: torch.Tensor  # [bs, kv_len] int64 pool slots, row i = request i's table row
     key_mask: torch.Tensor  # [bs, kv_len] bool, True where j < seq_lens[i]
     seq_lens: torch.Tensor  # [bs] int32, each decode row's length including its new token
+    through_table: bool = False  # attend through the table (a CPU's eager pass), not over a gathered block
+    table: TableDecodeMetadata | None = None  # its index arrays, built at the pass's first layer
 
 
 class DecodeAttentionBackend(PagedAttentionBackend):
@@ -64,6 +67,11 @@ class DecodeAttentionBackend(PagedAttentionBackend):
 
     def __init__(self, req_to_token_pool, token_to_kv_pool):
         super().__init__(req_to_token_pool, token_to_kv_pool)
+        # Eager decodes on a CPU read K/V through the table (table_attention.py; torch's sampled_addmm
+        # has CPU kernels for float32 and float64, not bfloat16); False: the gathered block everywhere
+        # (what a graph replays; tools/benchmark_decode.py compares the two).
+        pool = token_to_kv_pool.get_key_buffer(0)
+        self.decode_through_table = pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64)
         self.decode_metadata: DecodeMetadata | None = None  # this pass's decode rows (eager or a bucket)
         self.extend_batch: ForwardBatch | None = None  # a MIXED pass's extend rows, for stage 4's path
         self.bucket_metadata: dict[tuple[int, int], DecodeMetadata] = {}
@@ -100,6 +108,7 @@ class DecodeAttentionBackend(PagedAttentionBackend):
             torch.empty((d, kv_len), dtype=torch.int64, device=device),
             torch.empty((d, kv_len), dtype=torch.bool, device=device),
             seq_lens,
+            through_table=self.decode_through_table,
         )
         self.fill_decode_metadata(self.decode_metadata, batch.req_pool_indices[:d])
         self.extend_batch = None
@@ -158,31 +167,20 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         return torch.cat([decoded, extended])
 
     def forward_decode(self, q, k, v, layer_id: int, out_cache_loc: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
-        """One new token per row: q [bs, H, D], k, v [bs, KVH, D] -> [bs, H, D]. On a CPU the rows
-        go in groups whose gathered K/V stay in the caches (``decode_rows_per_call``)."""
-        self.token_to_kv_pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
-        bs, kv_len = meta.kv_indices.shape
-        rows = self.decode_rows_per_call(bs, kv_len, k)
-        if rows >= bs:
+        """One new token per row: q [bs, H, D], k, v [bs, KVH, D] -> [bs, H, D]: write the new K/V,
+        then attend over the gathered block (``attend_decode``) or, on a CPU's eager pass, through
+        the table (table_attention.py; its index arrays are built at the first layer, where the
+        query brings the head count, and every later layer reuses them)."""
+        pool = self.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
+        if not meta.through_table:
             return self.attend_decode(q, layer_id, meta.kv_indices, meta.key_mask)
-        return torch.cat(
-            [
-                self.attend_decode(
-                    q[i : i + rows], layer_id, meta.kv_indices[i : i + rows], meta.key_mask[i : i + rows]
-                )
-                for i in range(0, bs, rows)
-            ]
-        )
-
-    def decode_rows_per_call(self, bs: int, kv_len: int, k: torch.Tensor) -> int:
-        """All rows in one call on a GPU. On a CPU, as many rows as keep their gathered K and V
-        under DECODE_CACHE_BYTES: one call over 64 requests x 1024 keys gathers 100 MB per layer
-        and took 74 ms; in calls of 4-16 rows, each gathered block read while still in the cache,
-        30-37 ms (the per-request loop: 31 ms). At 128 keys one call is best (3.3 ms vs 3.6)."""
-        if k.device.type != "cpu":
-            return bs
-        row_bytes = 2 * kv_len * k.shape[1] * k.shape[2] * k.element_size()
-        return max(1, DECODE_CACHE_BYTES // row_bytes)
+        k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        if meta.table is None:
+            meta.table = TableDecodeMetadata.build(
+                meta.kv_indices, meta.key_mask, q.shape[1], k.shape[1], num_slots=k_buffer.shape[0]
+            )
+        return table_attention(q, k_buffer, v_buffer, meta.table)
 
     def attend_decode(self, q, layer_id: int, kv_indices: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Attention of one new token per row over its keys: q [n, H, D], kv_indices / key_mask

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, cast
 
 from s00_foundation.device import describe, set_torch_threads
+from s00_foundation.linear import linear_kind
 from s00_foundation.model import CausalLM
 from s00_foundation.tokenizer import Tokenizer
 from s05_continuous_batching.engine import EngineConfig
@@ -94,7 +95,8 @@ class CudaGraphEngine(ChunkedPrefillEngine):
         return "\n".join(
             [
                 f"device: {describe(self.model.device)}, {str(self.model.dtype).removeprefix('torch.')}",
-                f"attention: {runner.attention_backend_name}, decodes batched (one attention call per layer)",
+                f"attention: {runner.attention_backend_name} (one attention call per layer)",
+                f"linear layers: {linear_kind(self.model.device)}",
                 f"graphs: {graphs}",
                 "torch.compile: "
                 + ("on (the decoder layers; attention eager)" if self.config.enable_torch_compile else "off"),

@@ -3,12 +3,15 @@ tools/gpu_check.py use it.
 
 ``decode_step_latency(model, batch_size, context_len, path)`` prefills ``batch_size`` requests
 of ``context_len`` random tokens, runs a few decode steps to warm up, then times
-``runner.forward`` of the next decode steps on one of three paths::
+``runner.forward`` of the next decode steps on one of four paths::
 
-    "loop"     stage 4's runner: attention request by request (SDPA per request and layer)
-    "batched"  stage 8's runner without graphs: one batched attention per layer, eager
-    "graph"    stage 8's runner replaying the bucket's CUDA graph (on a CPU: its padded
-               static batch, run eagerly)
+    "loop"      stage 4's runner: attention request by request (SDPA per request and layer)
+    "gathered"  stage 8's runner without graphs, attending over the gathered [bs, kv_len] block:
+                one SDPA per layer (what a GPU's eager decode does)
+    "batched"   stage 8's runner without graphs, as the engine runs it: on a CPU through the
+                table (table_attention.py), elsewhere the same as "gathered"
+    "graph"     stage 8's runner replaying the bucket's CUDA graph (on a CPU: its padded
+                static batch, run eagerly)
 
 The static-buffer copies and metadata refills of the graph path are included; the scheduler's
 host work (slot allocation, building the batch) is left out, as it is the same on every path.
@@ -77,7 +80,7 @@ SMALL_QWEN3 = dict(
 )  # a CPU-sized stand-in
 SMALL_SMOLLM2 = dict(SMOLLM2_135M, vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4)
 
-PATHS = ("loop", "batched", "graph")
+PATHS = ("loop", "gathered", "batched", "graph")
 
 
 def random_model(raw_config: dict, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
@@ -114,7 +117,7 @@ def decode_step_latency(
     enable_torch_compile: bool = False,
 ) -> dict:
     """Seconds per decode step (the median of ``steps``) of ``batch_size`` requests with about
-    ``context_len`` tokens in context, on ``path`` ("loop", "batched" or "graph", see above).
+    ``context_len`` tokens in context, on ``path`` ("loop", "gathered", "batched" or "graph", see above).
     Returns {"seconds", "path", "bucket", "backend", "capture_seconds"}: the runner path the steps
     took, their bucket (graph path), the attention backend and the graphs' capture time.
     ``enable_torch_compile`` compiles the model's layers and the decode attention (torch_compile.py)."""
@@ -134,9 +137,11 @@ def decode_step_latency(
             model,
             *shape,
             cuda_graph_max_bs=batch_size,
-            disable_cuda_graph=path == "batched",
+            disable_cuda_graph=path != "graph",
             enable_torch_compile=enable_torch_compile,
         )
+        if path == "gathered":
+            runner.attn_backend.decode_through_table = False
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)

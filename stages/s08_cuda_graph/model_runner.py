@@ -5,7 +5,8 @@
       │  of at most cuda_graph_max_kv_len tokens         (on a CPU: the same padded static batch, eagerly)
       └─ anything else                              ─▶ stage 4's forward                 path "eager"
          (prefill, mixed, larger, longer)                with DecodeAttentionBackend: decode rows in one
-                                                         batched attention per layer, extends per request
+                                                         batched attention per layer (a CPU: through the
+                                                         table), extends per request
 
 ``forward_paths`` counts the passes of each path and ``last_forward_path`` names the last one,
 so a test or a benchmark can see which path ran.
@@ -71,6 +72,12 @@ class GraphModelRunner(ModelRunner):
             cuda_graph_max_bs if cuda_graph_max_bs is not None else min(max_running_requests, DEFAULT_CUDA_GRAPH_MAX_BS)
         )
         self.cuda_graph_runner = CudaGraphRunner(self, max_bs, cuda_graph_max_kv_len, dummy_row)
+
+    @property
+    def attention_backend_name(self) -> str:
+        """Stage 4's name, and how decodes run: batched, over a gathered block or through the table."""
+        how = "through the table, no gather" if self.attn_backend.decode_through_table else "over the gathered block"
+        return f"{super().attention_backend_name}; decodes batched, {how}"
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""

@@ -134,7 +134,7 @@ def test_flash_graph_backend_equals_torch_graph_backend(cuda_device, default_mod
     flash_graph, _ = runner_pair(model, "flash", page_size)
     expected = drive(torch_graph, prompts, sizes)
     got = drive(flash_graph, prompts, sizes, tokens_from=expected)
-    assert flash_graph.attention_backend_name == "flash-attn"
+    assert flash_graph.attention_backend_name.startswith("flash-attn"), flash_graph.attention_backend_name
     assert flash_graph.forward_paths["graph"] == len(sizes)
     for step, (a, b) in enumerate(zip(got, expected)):
         assert torch.allclose(a, b, rtol=0.05, atol=1.5), (
