@@ -15,15 +15,18 @@ lists and builds index arrays, which a compiler would specialise on (a recompila
 new batch). Shapes are dynamic (one compilation serves every token count), and the 30 layers
 share the compiled code: their weights are its inputs.
 
-Measured on this course's 2-core CPU (SmolLM2-135M, float32, 1 thread, CPU time of a bare pass
-without attention): no gain, a little worse: 16 decode tokens 145-165 ms eager, 175-192 compiled;
-64 tokens 297-395 vs 359-399; a 512-token prefill 1498-1553 vs 1595-1702; and ~24 s of
-compilation before the first passes (with an empty Inductor cache). A CPU pass of this model is
-the matrix products (MKL either way); the fused element-wise steps are a few percent of it. Writing
-the decode attention out for Inductor to fuse its gather (so the keys are read straight from the
-pool) won in isolation and lost inside the engine (36 ms per layer against 14 for gather + SDPA,
-64 requests of 256 tokens). So it is off by default; on a GPU, where fusion saves memory traffic
-and launches, it is the experiment to run next (SGLang compiles small decode batches there).
+Measured on this course's 2-core CPU (SmolLM2-135M, float32, 2 torch threads, the engine on
+``make bench``'s workloads, back to back: ``tools/benchmark_offline.py --workload a,b --threads 2
+--skip-transformers --skip-ceiling`` with and without ``--torch-compile``): no gain. Workload a
+took 11.96 s compiled against 10.61 s eager, workload b 63.1 s against 63.6 s. A CPU pass of this
+model is its matrix products (68% of workload a's time, in oneDNN either way; traced code gets
+``F.linear``, see s00 linear.py); the fused element-wise steps are a few percent of it, and each
+compiled module adds its own guards and calls. Writing the decode attention out for Inductor to
+fuse its gather (so the keys are read straight from the pool) won in isolation and lost inside
+the engine on an earlier machine (36 ms per layer against 14 for gather + SDPA, 64 requests of
+256 tokens); table_attention.py reads the pool in place with library operations instead. So it
+is off by default; on a GPU, where fusion saves memory traffic and launches, it is the experiment
+to run next (SGLang compiles small decode batches there).
 
 The price is start-up: the first pass compiles (tens of seconds on a CPU), and so does the first
 pass of a new kind of shape. ``Engine(enable_torch_compile=True)`` turns it on; off by default, so
