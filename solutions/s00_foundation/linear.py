@@ -41,6 +41,7 @@ def prepacking_available() -> bool:
 
 
 PREPACKING = prepacking_available()  # a fact about this machine and this build of torch, checked once
+_linear_pointwise = torch.ops.mkldnn._linear_pointwise if PREPACKING else None  # looked up once, not per call
 
 
 def linear_kind(device: torch.device) -> str:
@@ -84,9 +85,6 @@ def linear(
     ):
         return _linear_pointwise(x, packed.of(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-_linear_pointwise = torch.ops.mkldnn._linear_pointwise if PREPACKING else None
 
 
 class Linear(nn.Linear):
