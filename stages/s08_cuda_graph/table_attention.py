@@ -14,7 +14,7 @@ Both work on the pool viewed as one long matrix of head rows, ``[num_slots * KVH
 request ``i`` is row ``i * H + h`` of ``q`` viewed as ``[bs * H, D]``, and it attends to the
 ``kv_len`` head rows ``kv_indices[i, j] * KVH + h // G`` (G query heads share one KV head: GQA)::
 
-    columns [bs * H * kv_len]   (row i*H + h lists its kv_len head rows, padding at the dummy slot)
+    columns [bs * H * kv_len]   (row i*H + h lists its kv_len head rows; past seq_len, whatever its table row holds)
     pattern  a sparse CSR matrix [bs * H, num_slots * KVH] with those columns, kv_len per row
 
     scores = sampled_addmm(bias, q, K_pool^T)        scale * q.k + bias at each (row, column): [bs*H, kv_len]
