@@ -1,6 +1,6 @@
 """Decode step latency per batch size and context: stage 4's loop, stage 8's eager decode over the
-gathered block and as the engine runs it (on a CPU: through the table), the CUDA graph, and the
-bare model forward (the ceiling), side by side.
+gathered block, through the table and as the engine runs it (on a CPU: the fused kernel), the CUDA
+graph, and the bare model forward (the ceiling), side by side.
 
 For each batch size and context length it prefills that many requests, warms up, and reports the
 median ``runner.forward`` time of a decode step on each path (s08 decode_latency.py), and the
@@ -11,7 +11,7 @@ The model is random-weight, of a real shape built here (nothing downloaded; late
 depend on the weights' values): Qwen3-0.6B's by default, SmolLM2-135M's (the default model's)
 with --shape smollm2, a 4-layer stand-in with --small. On a CPU there is nothing to capture: the
 graph path runs its padded static batch eagerly, and it is left out unless --paths asks for it;
-on a GPU "gathered" is what "batched" runs, and it is left out.
+on a GPU "gathered" is what "batched" runs, and it and "table" are left out.
 
     python tools/benchmark_decode.py                                        # GPU: bs 1..64, context 512
     python tools/benchmark_decode.py --shape smollm2 --batch-sizes 16,32,64 --contexts 128,512,1024   # CPU
@@ -65,7 +65,7 @@ def main() -> None:
         "--paths",
         default=None,
         help=f"comma-separated of {','.join(PATHS)} (default: loop,batched,graph on a GPU; "
-        "loop,gathered,batched on a CPU)",
+        "loop,gathered,table,batched on a CPU)",
     )
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per point (the median is reported)")
     parser.add_argument("--device", default=None)
@@ -84,7 +84,7 @@ def main() -> None:
     shape = SMALL_QWEN3 if args.small else SHAPES[args.shape]
     sizes = [int(s) for s in (args.batch_sizes or ("1,2,4,8" if args.small else "1,2,4,8,16,32,64")).split(",")]
     contexts = [int(c) for c in (args.contexts or ("64" if args.small else "512")).split(",")]
-    paths = (args.paths or ("loop,batched,graph" if on_gpu else "loop,gathered,batched")).split(",")
+    paths = (args.paths or ("loop,batched,graph" if on_gpu else "loop,gathered,table,batched")).split(",")
     if not set(paths) <= set(PATHS):
         parser.error(f"--paths takes {PATHS}, got {paths}")
     model = random_model(shape, device, dtype)

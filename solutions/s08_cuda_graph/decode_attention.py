@@ -22,8 +22,10 @@ The same path serves two callers:
 
 - eager (``init_forward_metadata``): kv_len is the batch's longest sequence, the metadata are
   fresh tensors; in a MIXED batch the leading decode rows take this path and the extend rows
-  stage 4's per-request one. On a CPU the eager decode does not gather at all: it reads the pool
-  through the table (table_attention.py), because there the copy costs as much as the attention.
+  stage 4's per-request one. On a CPU the eager decode does not gather at all, because there the
+  copy costs as much as the attention: it runs a fused C++ kernel that reads each key and value
+  of a row once (decode_kernel.py), or, where no compiler can build it, reads the pool through the
+  table with two library operations (table_attention.py).
 - a CUDA graph (``init_forward_metadata_capture/replay_cuda_graph``): kv_len is the bucket's, the
   metadata are views of buffers allocated once (``init_cuda_graph_state``) and refilled in place
   before each replay, so the recorded kernels read the current batch. A padded row has seq_len 1
@@ -43,6 +45,7 @@ from s00_foundation.forward_batch import ForwardBatch, ForwardMode, leading_deco
 from s04_paged_kv_pool.flash_backend import BLOCK_TABLE_PAGE_MULTIPLE, FlashAttentionBackend
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend
 
+from . import decode_kernel
 from .table_attention import TableDecodeMetadata, table_attention
 
 try:
@@ -58,8 +61,29 @@ class DecodeMetadata:
     kv_indices: torch.Tensor  # [bs, kv_len] int64 pool slots, row i = request i's table row
     key_mask: torch.Tensor  # [bs, kv_len] bool, True where j < seq_lens[i]
     seq_lens: torch.Tensor  # [bs] int32, each decode row's length including its new token
-    through_table: bool = False  # attend through the table (a CPU's eager pass), not over a gathered block
-    table: TableDecodeMetadata | None = None  # its index arrays, built at the pass's first layer
+    path: str = "gathered"  # how the rows attend: one of DECODE_PATHS
+    table: TableDecodeMetadata | None = None  # the "table" path's index arrays, built at the pass's first layer
+
+
+# How decode rows attend: "gathered", one SDPA over the gathered [bs, kv_len] block (a GPU's eager
+# decode, and what a CUDA graph replays); "table", through the table by two library operations
+# (table_attention.py; a CPU without a compiler); "fused", the C++ kernel (decode_kernel.py; a CPU).
+DECODE_PATHS = ("gathered", "table", "fused")
+
+
+def eager_decode_path(pool: torch.Tensor) -> tuple[str, str]:
+    """The fastest decode path for a pool buffer's device and dtype, and why: (path, reason)."""
+    if pool.device.type != "cpu":
+        return "gathered", "on a GPU the gather streams at its memory's speed"
+    if pool.dtype == torch.float32:
+        kernel = decode_kernel.load()
+        if kernel.op is not None:
+            return "fused", f"decode_kernel.cpp, built with {kernel.how}"
+        return "table", f"no fused kernel: {kernel.how}"
+    if pool.dtype == torch.float64:
+        return "table", "the fused kernel is float32 only"
+    # torch's sampled_addmm has no bfloat16 CPU kernel, and the fused one is float32 only
+    return "gathered", f"the pool is {str(pool.dtype).removeprefix('torch.')}"
 
 
 class DecodeAttentionBackend(PagedAttentionBackend):
@@ -67,11 +91,9 @@ class DecodeAttentionBackend(PagedAttentionBackend):
 
     def __init__(self, req_to_token_pool, token_to_kv_pool):
         super().__init__(req_to_token_pool, token_to_kv_pool)
-        # Eager decodes on a CPU read K/V through the table (table_attention.py; torch's sampled_addmm
-        # has CPU kernels for float32 and float64, not bfloat16); False: the gathered block everywhere
-        # (what a graph replays; tools/benchmark_decode.py compares the two).
-        pool = token_to_kv_pool.get_key_buffer(0)
-        self.decode_through_table = pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.float64)
+        # How eager decodes attend (a graph always replays "gathered"); tools/benchmark_decode.py
+        # and the tests set it to compare the paths.
+        self.decode_path, self.decode_path_reason = eager_decode_path(token_to_kv_pool.get_key_buffer(0))
         self.decode_metadata: DecodeMetadata | None = None  # this pass's decode rows (eager or a bucket)
         self.extend_batch: ForwardBatch | None = None  # a MIXED pass's extend rows, for stage 4's path
         self.bucket_metadata: dict[tuple[int, int], DecodeMetadata] = {}
@@ -108,7 +130,7 @@ class DecodeAttentionBackend(PagedAttentionBackend):
             torch.empty((d, kv_len), dtype=torch.int64, device=device),
             torch.empty((d, kv_len), dtype=torch.bool, device=device),
             seq_lens,
-            through_table=self.decode_through_table,
+            path=self.decode_path,
         )
         self.fill_decode_metadata(self.decode_metadata, batch.req_pool_indices[:d])
         self.extend_batch = None
@@ -168,14 +190,21 @@ class DecodeAttentionBackend(PagedAttentionBackend):
 
     def forward_decode(self, q, k, v, layer_id: int, out_cache_loc: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         """One new token per row: q [bs, H, D], k, v [bs, KVH, D] -> [bs, H, D]: write the new K/V,
-        then attend over the gathered block (``attend_decode``) or, on a CPU's eager pass, through
-        the table (table_attention.py; its index arrays are built at the first layer, where the
-        query brings the head count, and every later layer reuses them)."""
+        then attend by ``meta.path``: over the gathered block (``attend_decode``), by the fused
+        kernel (decode_kernel.py: it reads each row's first seq_len slots of ``kv_indices``), or
+        through the table (table_attention.py; its index arrays are built at the first layer,
+        where the query brings the head count, and every later layer reuses them)."""
         pool = self.token_to_kv_pool
         pool.set_kv_buffer(layer_id, out_cache_loc, k, v)
-        if not meta.through_table:
+        if meta.path == "gathered":
             return self.attend_decode(q, layer_id, meta.kv_indices, meta.key_mask)
         k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        if meta.path == "fused":
+            kernel = decode_kernel.load().op
+            assert kernel is not None, "the fused path is chosen only when its kernel loaded"
+            return kernel(q.contiguous(), k_buffer, v_buffer, meta.kv_indices, meta.seq_lens, q.shape[-1] ** -0.5)
+        if meta.path != "table":
+            raise ValueError(f"decode path {meta.path!r}: expected one of {DECODE_PATHS}")
         if meta.table is None:
             meta.table = TableDecodeMetadata.build(
                 meta.kv_indices, meta.key_mask, q.shape[1], k.shape[1], num_slots=k_buffer.shape[0]

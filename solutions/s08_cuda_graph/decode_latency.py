@@ -8,8 +8,9 @@ of ``context_len`` random tokens, runs a few decode steps to warm up, then times
     "loop"      stage 4's runner: attention request by request (SDPA per request and layer)
     "gathered"  stage 8's runner without graphs, attending over the gathered [bs, kv_len] block:
                 one SDPA per layer (what a GPU's eager decode does)
-    "batched"   stage 8's runner without graphs, as the engine runs it: on a CPU through the
-                table (table_attention.py), elsewhere the same as "gathered"
+    "table"     the same, reading K/V through the table by two library operations (table_attention.py)
+    "batched"   stage 8's runner without graphs, as the engine runs it: on a CPU the fused kernel
+                (decode_kernel.py; "table" where it cannot be built), elsewhere the same as "gathered"
     "graph"     stage 8's runner replaying the bucket's CUDA graph (on a CPU: its padded
                 static batch, run eagerly)
 
@@ -80,7 +81,7 @@ SMALL_QWEN3 = dict(
 )  # a CPU-sized stand-in
 SMALL_SMOLLM2 = dict(SMOLLM2_135M, vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4)
 
-PATHS = ("loop", "gathered", "batched", "graph")
+PATHS = ("loop", "gathered", "table", "batched", "graph")
 
 
 def random_model(raw_config: dict, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
@@ -117,7 +118,7 @@ def decode_step_latency(
     enable_torch_compile: bool = False,
 ) -> dict:
     """Seconds per decode step (the median of ``steps``) of ``batch_size`` requests with about
-    ``context_len`` tokens in context, on ``path`` ("loop", "gathered", "batched" or "graph", see above).
+    ``context_len`` tokens in context, on ``path`` (one of ``PATHS``, see above).
     Returns {"seconds", "path", "bucket", "backend", "capture_seconds"}: the runner path the steps
     took, their bucket (graph path), the attention backend and the graphs' capture time.
     ``enable_torch_compile`` compiles the model's layers and the decode attention (torch_compile.py)."""
@@ -140,8 +141,8 @@ def decode_step_latency(
             disable_cuda_graph=path != "graph",
             enable_torch_compile=enable_torch_compile,
         )
-        if path == "gathered":
-            runner.attn_backend.decode_through_table = False
+        if path in ("gathered", "table"):
+            runner.attn_backend.decode_path = path
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=longest, ignore_eos=True)

@@ -30,18 +30,20 @@ V anywhere. The index arrays depend only on the batch, not on the layer: they ar
 pass (``build``) and every layer reuses them with its own pool buffers. A padding entry (a key
 past its row's length) is read with weight exactly 0, so any finite value there changes nothing.
 
-Measured on this course's CPU (2 cores, 2 torch threads; one decode step of SmolLM2-135M's
-shape, ``tools/benchmark_decode.py --shape smollm2 --threads 2``; the lesson has the whole table):
+It is the CPU's decode where the fused kernel (decode_kernel.py) cannot be built, and the
+library-only version of the same idea. Measured on this course's CPU (2 cores, 2 torch threads;
+one decode step of SmolLM2-135M's shape, ``tools/benchmark_decode.py --shape smollm2 --threads 2``;
+the lesson has the whole table):
 
-    requests x keys     one SDPA over the gathered block    through the table    bare pass
-    32 x 128                      100.7 ms                       90.6 ms           71.1 ms
-    64 x 512                      352.0 ms                      209.8 ms           97.0 ms
-    64 x 1024                    1116.9 ms                      338.8 ms          101.4 ms
+    requests x keys     one SDPA over the gathered block    through the table    fused kernel    bare pass
+    32 x 128                       88.7 ms                       82.0 ms            77.5 ms        62.8 ms
+    64 x 512                      256.6 ms                      204.8 ms           187.5 ms       100.1 ms
+    64 x 1024                     812.9 ms                      333.7 ms           270.9 ms        99.8 ms
 
-with the same tokens. It is still 1.2-1.6x above the memory floor (every key and value read
-once): each dot product is 64 multiply-adds and a horizontal sum, one key at a time, where a
-fused kernel (vLLM's CPU build has one in C++) would score the G query heads of a KV head with
-one read of its keys.
+with the same tokens. The table path stays 1.2-1.5x above the memory floor (every key and value
+read once): the scores pass reads each key once per query head, and every row is padded to the
+batch's longest, where the fused kernel scores the G query heads of a KV head with one read of
+its keys and stops at each row's length.
 
 A GPU keeps the dense block: there its copy is cheap, SDPA and flash-attn are fast on it, and a
 CUDA graph records it as it is (step 2 of the lesson).

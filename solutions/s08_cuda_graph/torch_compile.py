@@ -24,7 +24,7 @@ model is its matrix products (68% of workload a's time, in oneDNN either way; tr
 compiled module adds its own guards and calls. Writing the decode attention out for Inductor to
 fuse its gather (so the keys are read straight from the pool) won in isolation and lost inside
 the engine on an earlier machine (36 ms per layer against 14 for gather + SDPA, 64 requests of
-256 tokens); table_attention.py reads the pool in place with library operations instead. So it
+256 tokens); decode_kernel.cpp reads the pool in place in a loop written for it instead. So it
 is off by default; on a GPU, where fusion saves memory traffic and launches, it is the experiment
 to run next (SGLang compiles small decode batches there).
 

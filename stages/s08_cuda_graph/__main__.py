@@ -4,8 +4,9 @@ CUDA graph, and the bare model pass.
 For each batch size, one decode step of the default model (SmolLM2-135M-Instruct; bfloat16 on a
 GPU, float32 on a CPU) on each path, and the speed-ups. On a CPU there is nothing to capture: it
 says so and leaves the graph out (the graph path's buffers and padding are exercised by the tests
-and shown in notebook 08), and shows the batched decode twice: over the gathered block, and
-through the table (table_attention.py), as the engine runs it there.
+and shown in notebook 08), and shows the batched decode three ways: over the gathered block,
+through the table (table_attention.py), and by the fused kernel (decode_kernel.py), as the engine
+runs it there.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> None:
     path, device, model = model_from_args(args)
     on_gpu = model.device.type == "cuda"
     sizes = [int(s) for s in (args.batch_sizes or ("1,2,4,8,16,32,64" if on_gpu else "1,4,16")).split(",")]
-    paths = ["loop", "batched", "graph"] if on_gpu else ["loop", "gathered", "batched"]
+    paths = ["loop", "batched", "graph"] if on_gpu else ["loop", "gathered", "table", "batched"]
     print(f"model: {path}   dtype: {str(model.dtype).removeprefix('torch.')}   device: {describe(model.device)}")
     print(
         f"one decode step (runner.forward) of N requests with ~{args.context_len} tokens in context each; "
@@ -41,7 +42,8 @@ def main() -> None:
     if not on_gpu:
         print(
             "no CUDA GPU here: nothing to capture, so the graph path is left out; gathered = one SDPA per layer "
-            "over the gathered keys, batched = through the table (the engine's CPU decode)"
+            "over the gathered keys, table = through the table, batched = as the engine runs it (the fused kernel "
+            "when it built)"
         )
     print(
         "\n"

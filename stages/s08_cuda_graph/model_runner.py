@@ -5,8 +5,8 @@
       │  of at most cuda_graph_max_kv_len tokens         (on a CPU: the same padded static batch, eagerly)
       └─ anything else                              ─▶ stage 4's forward                 path "eager"
          (prefill, mixed, larger, longer)                with DecodeAttentionBackend: decode rows in one
-                                                         batched attention per layer (a CPU: through the
-                                                         table), extends per request
+                                                         batched attention per layer (a CPU: the fused
+                                                         kernel, no gather), extends per request
 
 ``forward_paths`` counts the passes of each path and ``last_forward_path`` names the last one,
 so a test or a benchmark can see which path ran.
@@ -75,9 +75,13 @@ class GraphModelRunner(ModelRunner):
 
     @property
     def attention_backend_name(self) -> str:
-        """Stage 4's name, and how decodes run: batched, over a gathered block or through the table."""
-        how = "through the table, no gather" if self.attn_backend.decode_through_table else "over the gathered block"
-        return f"{super().attention_backend_name}; decodes batched, {how}"
+        """Stage 4's name, and how eager decodes run (decode_attention.py's DECODE_PATHS) and why."""
+        how = {
+            "gathered": "over the gathered block",
+            "table": "through the table, no gather",
+            "fused": "by the fused CPU kernel, no gather",
+        }[self.attn_backend.decode_path]
+        return f"{super().attention_backend_name}; decodes batched, {how} ({self.attn_backend.decode_path_reason})"
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""

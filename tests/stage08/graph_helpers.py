@@ -1,5 +1,6 @@
 """Shared by the stage-8 tests: stage 8's runner and stage 4's eager runner driven through the same
-requests step by step (same allocations, so the same slots), and a snapshot of the KV pool."""
+requests step by step (same allocations, so the same slots), a snapshot of the KV pool, and a
+decode backend over a random pool with rows of given lengths."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
+from s04_paged_kv_pool.memory_pool import ReqToTokenPool, TokenToKVPool
 from s04_paged_kv_pool.model_runner import ModelRunner
+from s08_cuda_graph.decode_attention import DecodeAttentionBackend, DecodeMetadata
 from s08_cuda_graph.model_runner import GraphModelRunner
 
 POOL_SIZE, MAX_CONTEXT = 512, 256
@@ -53,3 +56,29 @@ def pool_bytes(runner) -> torch.Tensor:
 def prompts_of(count: int, first: int = 65) -> list[list[int]]:
     """``count`` prompts of different lengths (3, 5, 7, ... tokens)."""
     return [[first + i] + [32 + (7 * i + 3 * j) % 90 for j in range(2 + 2 * i % 11)] for i in range(count)]
+
+
+def backend_with_rows(num_kv_heads: int, lengths: list[int], head_dim: int = 16, seed: int = 0):
+    """(backend, decode metadata filled by your ``fill_decode_metadata``) over a random one-layer
+    pool whose table rows hold ``lengths`` tokens in scattered slots (a length-0 entry is a padding
+    row: the dummy row of slot 0, seq_len 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_slots = 1 + sum(lengths) + 7
+    kv = TokenToKVPool(num_slots - 1, 1, num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=generator))
+    kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=generator))
+    table = ReqToTokenPool(len(lengths), max(lengths) + 3)
+    slots = (torch.randperm(num_slots - 1, generator=generator) + 1).tolist()  # never slot 0
+    for row, n in enumerate(lengths):
+        table.req_to_token[row, :n] = torch.tensor(slots[:n])
+        slots = slots[n:]
+    backend = DecodeAttentionBackend(table, kv)
+    seq_lens = torch.tensor([max(n, 1) for n in lengths], dtype=torch.int32)
+    kv_len = int(seq_lens.max())
+    meta = DecodeMetadata(
+        torch.empty(len(lengths), kv_len, dtype=torch.int64),
+        torch.empty(len(lengths), kv_len, dtype=torch.bool),
+        seq_lens,
+    )
+    backend.fill_decode_metadata(meta, torch.arange(len(lengths)))
+    return backend, meta

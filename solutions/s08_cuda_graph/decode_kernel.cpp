@@ -1,0 +1,219 @@
+// Decode attention on a CPU, fused: one new query token per request against the paged KV pool,
+// reading each key and value the request's table points at exactly once, with no copy of them.
+//
+//   for each (request i, KV head g), spread over torch's threads by total length:
+//     scores[h][j] = scale * q[i, h] . K[slot_j, g]     for the G query heads h of KV head g
+//     p[h]         = softmax(scores[h])                  (the row's own length: no padding, no mask)
+//     out[i, h]    = sum_j p[h][j] * V[slot_j, g]
+//
+// The G query heads that share KV head g (grouped-query attention) are scored together, so a key
+// is read from memory once for all of them, not once per query head. A decode is bound by how
+// fast the pool streams from memory, so the loops are written for that: the next keys are
+// prefetched while the current ones are scored, and the arithmetic runs 16 floats at a time in
+// the compiler's portable vector type (AVX-512, 2 x AVX2, 4 x NEON: whatever the CPU has).
+//
+// Registered as torch.ops.engine_cpu.decode_attention (s08_cuda_graph/decode_kernel.py builds
+// and loads it); float32 only.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;
+constexpr int64_t PREFETCH_AHEAD = 8;  // keys ahead: enough to cover a DRAM read, measured 8-32 alike
+typedef float vec16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t ivec16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vec16 load16(const float* p) {
+  vec16 r;
+  __builtin_memcpy(&r, p, sizeof r);  // unaligned load
+  return r;
+}
+inline void store16(float* p, vec16 x) { __builtin_memcpy(p, &x, sizeof x); }
+
+inline float hsum(vec16 x) {  // the sum of the 16 lanes, halving: 16 -> 8 -> 4 -> 1
+  vec8 lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const vec8 s8 = lo + hi;
+  vec4 a, b;
+  __builtin_memcpy(&a, &s8, sizeof a);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
+  const vec4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// exp of 16 floats: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
+// within float32's rounding), times 2^k written straight into the exponent bits. Inputs here are
+// score - max <= 0; below -87 the weight is under 1e-38 of the row's largest and comes out ~0.
+inline vec16 exp16(vec16 x) {
+  const vec16 lowest = vec16{} - 87.f;
+  x = x < lowest ? lowest : x;
+  const vec16 scaled = x * 1.44269504088896341f + 0.5f;  // x / ln2, rounded below by the floor
+  ivec16 k = __builtin_convertvector(scaled, ivec16);      // truncates toward zero...
+  k = k + (__builtin_convertvector(k, vec16) > scaled);    // ...so step down where that rounded up (true is -1)
+  const vec16 kf = __builtin_convertvector(k, vec16);
+  const vec16 r = x - kf * 0.693359375f + kf * 2.12194440e-4f;  // ln2 in two parts: r stays exact
+  vec16 p = vec16{} + 1.f / 5040;
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  ivec16 bits;
+  __builtin_memcpy(&bits, &p, sizeof bits);
+  bits = bits + (k << 23);
+  __builtin_memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec16 acc = vec16{};
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) acc += load16(a + d) * load16(b + d);
+  float s = hsum(acc);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void add_scaled(float* acc, float w, const float* x, int64_t n) {  // acc += w * x
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) store16(acc + d, load16(acc + d) + w * load16(x + d));
+  for (; d < n; ++d) acc[d] += w * x[d];
+}
+
+inline void prefetch_row(const float* p, int64_t n) {
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(p + d);  // one per cache line
+}
+
+// Softmax of a row of n scores in place; returns 1 / (sum of exp), applied to the output once.
+float softmax_unnormalized(float* s, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  vec16 sums = vec16{};
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    const vec16 e = exp16(load16(s + j) - m);
+    store16(s + j, e);
+    sums += e;
+  }
+  float sum = hsum(sums);
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
+  return 1.f / sum;
+}
+
+// One (request, KV head): q [G, D] and out [G, D] its query heads, slots its n table entries,
+// k / v the pool buffers offset to this KV head (rows `row` floats apart), scores [G * n] scratch.
+// C > 0: D = 16 * C, known to the compiler, so a key's C vectors stay in registers while the G
+// heads use it; C = 0: any D, the same loops with a scalar tail.
+template <int64_t C>
+void attend(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n, int64_t row,
+            int64_t G, int64_t D, float scale, float* scores, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + PREFETCH_AHEAD < n) prefetch_row(k + slots[j + PREFETCH_AHEAD] * row, D);
+    const float* key = k + slots[j] * row;
+    if constexpr (C > 0) {
+      vec16 kv[C];
+      for (int64_t c = 0; c < C; ++c) kv[c] = load16(key + c * LANES);
+      for (int64_t h = 0; h < G; ++h) {
+        vec16 acc = load16(q + h * D) * kv[0];
+        for (int64_t c = 1; c < C; ++c) acc += load16(q + h * D + c * LANES) * kv[c];
+        scores[h * n + j] = scale * hsum(acc);
+      }
+    } else {
+      for (int64_t h = 0; h < G; ++h) scores[h * n + j] = scale * dot(q + h * D, key, D);
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t h = 0; h < G; ++h) inv[h] = softmax_unnormalized(scores + h * n, n);
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + PREFETCH_AHEAD < n) prefetch_row(v + slots[j + PREFETCH_AHEAD] * row, D);
+    const float* value = v + slots[j] * row;
+    if constexpr (C > 0) {
+      vec16 vv[C];
+      for (int64_t c = 0; c < C; ++c) vv[c] = load16(value + c * LANES);
+      for (int64_t h = 0; h < G; ++h) {
+        const float w = scores[h * n + j];
+        for (int64_t c = 0; c < C; ++c) store16(out + h * D + c * LANES, load16(out + h * D + c * LANES) + w * vv[c]);
+      }
+    } else {
+      for (int64_t h = 0; h < G; ++h) add_scaled(out + h * D, scores[h * n + j], value, D);
+    }
+  }
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] *= inv[h];
+}
+
+// q [bs, H, D]; k_buffer, v_buffer [num_slots, KVH, D]; kv_indices [bs, kv_len] (row i: request
+// i's slots, the first seq_lens[i] of them used); seq_lens [bs] int32 -> [bs, H, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                            const at::Tensor& kv_indices, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
+              "decode_attention: q [bs, H, D], k_buffer and v_buffer [num_slots, KVH, D]");
+  for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "decode_attention: q, k_buffer, v_buffer must be contiguous float32 CPU tensors");
+  const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), KVH = k_buffer.size(1), S = k_buffer.size(0);
+  TORCH_CHECK(k_buffer.size(2) == D && H % KVH == 0, "decode_attention: head_dim differs, or H is not a multiple of KVH");
+  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == bs && kv_indices.scalar_type() == at::kLong &&
+                  kv_indices.is_contiguous(),
+              "decode_attention: kv_indices must be a contiguous int64 [bs, kv_len]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == bs && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous(),
+              "decode_attention: seq_lens must be a contiguous int32 [bs]");
+  const int64_t G = H / KVH, L = kv_indices.size(1), row = KVH * D;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* table = kv_indices.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < bs; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= L, "decode_attention: row ", i, " has seq_len ", lens[i],
+                ", outside 1..", L, " (kv_indices' width)");
+    for (int64_t j = 0; j < lens[i]; ++j)  // a slot outside the pool would read another process's memory
+      TORCH_CHECK(table[i * L + j] >= 0 && table[i * L + j] < S, "decode_attention: row ", i, " names slot ",
+                  table[i * L + j], ", outside the pool's ", S);
+    total += lens[i];
+  }
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_buffer.data_ptr<float>();
+  const float* vp = v_buffer.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+
+  // Work item w = (request w / KVH, KV head w % KVH) costs about its request's length. Each thread
+  // gets one contiguous range of items with an equal share of the total length: an even split by
+  // count (OpenMP's static schedule) would leave one thread alone with the long rows.
+  const int64_t items = bs * KVH, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> cuts(threads + 1, items);
+  cuts[0] = 0;
+  for (int64_t w = 0, done = 0, t = 1; w < items && t < threads; ++w) {
+    done += lens[w / KVH];
+    while (t < threads && done * threads >= total * KVH * t) cuts[t++] = w + 1;
+  }
+  const float s = static_cast<float>(scale);
+  auto* attend_one = D == 64 ? attend<4> : D == 128 ? attend<8> : attend<0>;  // the common head sizes unrolled
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores;
+    for (int64_t w = cuts[first]; w < cuts[last]; ++w) {
+      const int64_t i = w / KVH, g = w % KVH, n = lens[i];
+      scores.resize(G * n);
+      attend_one(qp + (i * H + g * G) * D, kp + g * D, vp + g * D, table + i * L, n, row, G, D, s, scores.data(),
+             op + (i * H + g * G) * D);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(engine_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor kv_indices, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(engine_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
