@@ -28,7 +28,8 @@
 namespace {
 
 constexpr int64_t LANES = 16;
-constexpr int64_t PREFETCH_AHEAD = 8;  // keys ahead: enough to cover a DRAM read, measured 8-32 alike
+constexpr int64_t PREFETCH_AHEAD = 8;   // keys ahead, into L1: this KV head's part of the key's row
+constexpr int64_t PREFETCH_ROWS = 16;   // keys ahead, into L2: the whole row, for the other heads' passes
 typedef float vec16 __attribute__((vector_size(LANES * sizeof(float))));
 typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
@@ -88,8 +89,13 @@ inline void add_scaled(float* acc, float w, const float* x, int64_t n) {  // acc
   for (; d < n; ++d) acc[d] += w * x[d];
 }
 
-inline void prefetch_row(const float* p, int64_t n) {
-  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(p + d);  // one per cache line
+inline void prefetch(const float* p, int64_t n, bool to_l1) {  // one request per 64-byte cache line
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) {
+    if (to_l1)
+      __builtin_prefetch(p + d, 0, 3);
+    else
+      __builtin_prefetch(p + d, 0, 2);  // locality 2: into L2 and below, not L1
+  }
 }
 
 // Softmax of a row of n scores in place; returns 1 / (sum of exp), applied to the output once.
@@ -110,13 +116,17 @@ float softmax_unnormalized(float* s, int64_t n) {
 
 // One (request, KV head): q [G, D] and out [G, D] its query heads, slots its n table entries,
 // k / v the pool buffers offset to this KV head (rows `row` floats apart), scores [G * n] scratch.
+// A token's row holds every KV head's D floats side by side, and the passes over one request's
+// KV heads run one after another on a thread: so the pass over head 0 (`first_head`) also asks
+// L2 for the whole row further ahead, and the later passes find their part there.
 // C > 0: D = 16 * C, known to the compiler, so a key's C vectors stay in registers while the G
 // heads use it; C = 0: any D, the same loops with a scalar tail.
 template <int64_t C>
 void attend(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n, int64_t row,
-            int64_t G, int64_t D, float scale, float* scores, float* out) {
+            int64_t G, int64_t D, float scale, float* scores, float* out, bool first_head) {
   for (int64_t j = 0; j < n; ++j) {
-    if (j + PREFETCH_AHEAD < n) prefetch_row(k + slots[j + PREFETCH_AHEAD] * row, D);
+    if (first_head && j + PREFETCH_ROWS < n) prefetch(k + slots[j + PREFETCH_ROWS] * row, row, false);
+    if (j + PREFETCH_AHEAD < n) prefetch(k + slots[j + PREFETCH_AHEAD] * row, D, true);
     const float* key = k + slots[j] * row;
     if constexpr (C > 0) {
       vec16 kv[C];
@@ -134,7 +144,8 @@ void attend(const float* q, const float* k, const float* v, const int64_t* slots
   for (int64_t h = 0; h < G; ++h) inv[h] = softmax_unnormalized(scores + h * n, n);
   std::fill(out, out + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    if (j + PREFETCH_AHEAD < n) prefetch_row(v + slots[j + PREFETCH_AHEAD] * row, D);
+    if (first_head && j + PREFETCH_ROWS < n) prefetch(v + slots[j + PREFETCH_ROWS] * row, row, false);
+    if (j + PREFETCH_AHEAD < n) prefetch(v + slots[j + PREFETCH_AHEAD] * row, D, true);
     const float* value = v + slots[j] * row;
     if constexpr (C > 0) {
       vec16 vv[C];
@@ -204,7 +215,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
       const int64_t i = w / KVH, g = w % KVH, n = lens[i];
       scores.resize(G * n);
       attend_one(qp + (i * H + g * G) * D, kp + g * D, vp + g * D, table + i * L, n, row, G, D, s, scores.data(),
-             op + (i * H + g * G) * D);
+             op + (i * H + g * G) * D, g == 0);
     }
   });
   return out;
