@@ -89,6 +89,8 @@ inline void add_scaled(float* acc, float w, const float* x, int64_t n) {  // acc
   for (; d < n; ++d) acc[d] += w * x[d];
 }
 
+// The two passes below call this under their own `if (j + ahead < n)`: with the bounds checks moved
+// in here (one shared helper), GCC 12 emitted no prefetch at all and a step took 1.4x as long.
 inline void prefetch(const float* p, int64_t n, bool to_l1) {  // one request per 64-byte cache line
   for (int64_t d = 0; d < n; d += 64 / sizeof(float)) {
     if (to_l1)

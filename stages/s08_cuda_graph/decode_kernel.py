@@ -30,12 +30,13 @@ backend reads through the table instead: the same tokens, a little slower.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -67,9 +68,9 @@ def load() -> DecodeKernel:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return DecodeKernel(None, "no C++ compiler (install g++ or clang, or set CXX)")
     failures = []
-    for flags in FLAG_SETS:
-        try:
-            with ninja_on_path():
+    with ninja_on_path():
+        for flags in FLAG_SETS:
+            try:
                 cpp_extension.load(
                     name=NAME,
                     sources=[str(SOURCE)],
@@ -78,25 +79,25 @@ def load() -> DecodeKernel:
                     is_python_module=False,
                     verbose=False,
                 )
-            return DecodeKernel(torch.ops.engine_cpu.decode_attention, " ".join(flags))
-        except Exception as error:  # noqa: BLE001 - a build that fails for any reason falls back
-            failures.append(f"{' '.join(flags)}: {str(error).strip().splitlines()[-1][:200]}")
+                return DecodeKernel(torch.ops.engine_cpu.decode_attention, " ".join(flags))
+            except Exception as error:  # noqa: BLE001 - a build that fails for any reason falls back
+                failures.append(f"{' '.join(flags)}: {str(error).strip().splitlines()[-1][:200]}")
     return DecodeKernel(None, "the build failed (" + "; ".join(failures) + ")")
 
 
-class ninja_on_path:
+@contextlib.contextmanager
+def ninja_on_path() -> Iterator[None]:
     """``cpp_extension`` runs the ``ninja`` build tool by name: when it is not on PATH (a venv that
     is not activated), put the pip package's copy there for the build, and take it off again."""
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
 
-    def __enter__(self):
-        self.saved = os.environ.get("PATH", "")
-        if shutil.which("ninja") is None:
-            try:
-                import ninja
-            except ImportError:
-                return self
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + self.saved
-        return self
-
-    def __exit__(self, *exc):
-        os.environ["PATH"] = self.saved
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+        except ImportError:
+            pass  # then cpp_extension says that ninja is missing, and load() passes that on
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
