@@ -6,8 +6,9 @@
 //     p[h]         = softmax(scores[h])                  (the row's own length: no padding, no mask)
 //     out[i, h]    = sum_j p[h][j] * V[slot_j, g]
 //
-// The G query heads that share KV head g (grouped-query attention) are scored together, so a key
-// is read from memory once for all of them, not once per query head. A decode is bound by how
+// The G query heads that share KV head g (grouped-query attention) are scored together (in groups
+// of up to 4, their queries held in registers), so a key is read from memory once for all of them,
+// not once per query head. A decode is bound by how
 // fast the pool streams from memory, so the loops are written for that: the next keys are
 // prefetched while the current ones are scored, and the arithmetic runs 16 floats at a time in
 // the compiler's portable vector type (AVX-512, 2 x AVX2, 4 x NEON: whatever the CPU has).
@@ -116,52 +117,82 @@ float softmax_unnormalized(float* s, int64_t n) {
   return 1.f / sum;
 }
 
-// One (request, KV head): q [G, D] and out [G, D] its query heads, slots its n table entries,
-// k / v the pool buffers offset to this KV head (rows `row` floats apart), scores [G * n] scratch.
-// A token's row holds every KV head's D floats side by side, and the passes over one request's
-// KV heads run one after another on a thread: so the pass over head 0 (`first_head`) also asks
-// L2 for the whole row further ahead, and the later passes find their part there.
-// C > 0: D = 16 * C, known to the compiler, so a key's C vectors stay in registers while the G
-// heads use it; C = 0: any D, the same loops with a scalar tail.
-template <int64_t C>
+// A group of G query heads of one KV head of one request: q [G, D] and out [G, D] its query heads,
+// slots its n table entries, k / v the pool buffers offset to this KV head (rows `row` floats
+// apart), scores [G * n] scratch. A token's row holds every KV head's D floats side by side, and
+// the passes over one request's KV heads run one after another on a thread: so the pass over
+// head 0 (`first_pass`) also asks L2 for the whole row further ahead, and the later passes find
+// their part there.
+// G and C (D = 16 * C) are known to the compiler, so q's G x C vectors and the G x C output sums
+// stay in registers while the keys and values stream past (a third less work than with G read
+// at run time, where every head's query and output went through memory for every key). C = 0:
+// any D, the same loops with a scalar tail, q and out in memory.
+template <int64_t C, int64_t G>
 void attend(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n, int64_t row,
-            int64_t G, int64_t D, float scale, float* scores, float* out, bool first_head) {
+            int64_t D, float scale, float* scores, float* out, bool first_pass) {
+  constexpr int64_t R = C > 0 ? C : 1;  // vectors per head held in registers (none used when C = 0)
+  vec16 qv[G][R];
+  if constexpr (C > 0)
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t c = 0; c < C; ++c) qv[h][c] = load16(q + h * D + c * LANES);
   for (int64_t j = 0; j < n; ++j) {
-    if (first_head && j + PREFETCH_ROWS < n) prefetch(k + slots[j + PREFETCH_ROWS] * row, row, false);
+    if (first_pass && j + PREFETCH_ROWS < n) prefetch(k + slots[j + PREFETCH_ROWS] * row, row, false);
     if (j + PREFETCH_AHEAD < n) prefetch(k + slots[j + PREFETCH_AHEAD] * row, D, true);
     const float* key = k + slots[j] * row;
     if constexpr (C > 0) {
       vec16 kv[C];
       for (int64_t c = 0; c < C; ++c) kv[c] = load16(key + c * LANES);
       for (int64_t h = 0; h < G; ++h) {
-        vec16 acc = load16(q + h * D) * kv[0];
-        for (int64_t c = 1; c < C; ++c) acc += load16(q + h * D + c * LANES) * kv[c];
+        vec16 acc = qv[h][0] * kv[0];
+        for (int64_t c = 1; c < C; ++c) acc += qv[h][c] * kv[c];
         scores[h * n + j] = scale * hsum(acc);
       }
     } else {
       for (int64_t h = 0; h < G; ++h) scores[h * n + j] = scale * dot(q + h * D, key, D);
     }
   }
-  std::vector<float> inv(G);
+  float inv[G];
   for (int64_t h = 0; h < G; ++h) inv[h] = softmax_unnormalized(scores + h * n, n);
-  std::fill(out, out + G * D, 0.f);
+  vec16 sum[G][R] = {};
+  if constexpr (C == 0) std::fill(out, out + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    if (first_head && j + PREFETCH_ROWS < n) prefetch(v + slots[j + PREFETCH_ROWS] * row, row, false);
+    if (first_pass && j + PREFETCH_ROWS < n) prefetch(v + slots[j + PREFETCH_ROWS] * row, row, false);
     if (j + PREFETCH_AHEAD < n) prefetch(v + slots[j + PREFETCH_AHEAD] * row, D, true);
     const float* value = v + slots[j] * row;
     if constexpr (C > 0) {
       vec16 vv[C];
       for (int64_t c = 0; c < C; ++c) vv[c] = load16(value + c * LANES);
-      for (int64_t h = 0; h < G; ++h) {
-        const float w = scores[h * n + j];
-        for (int64_t c = 0; c < C; ++c) store16(out + h * D + c * LANES, load16(out + h * D + c * LANES) + w * vv[c]);
-      }
+      for (int64_t h = 0; h < G; ++h)
+        for (int64_t c = 0; c < C; ++c) sum[h][c] += scores[h * n + j] * vv[c];
     } else {
       for (int64_t h = 0; h < G; ++h) add_scaled(out + h * D, scores[h * n + j], value, D);
     }
   }
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] *= inv[h];
+  for (int64_t h = 0; h < G; ++h) {
+    if constexpr (C > 0)
+      for (int64_t c = 0; c < C; ++c) store16(out + h * D + c * LANES, sum[h][c] * inv[h]);
+    else
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] *= inv[h];
+  }
+}
+
+typedef void (*AttendFn)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                         float, float*, float*, bool);
+
+// Heads per group: as many as keep a group's query (and, in the second pass, its sums) within
+// half of AVX-512's 32 vector registers: 4 heads of 64 floats, 2 of 128. A KV head with more query
+// heads (Llama 3 8B: 4 of 128) is taken in several groups; the later groups find its keys and
+// values in L2.
+inline int64_t heads_per_group(int64_t D) { return D == 128 ? 2 : 4; }
+
+template <int64_t C>
+AttendFn attend_for_heads(int64_t heads) {  // heads in 1..4
+  return heads == 1 ? attend<C, 1> : heads == 2 ? attend<C, 2> : heads == 3 ? attend<C, 3> : attend<C, 4>;
+}
+
+// The loops for a group of `heads` query heads of size D: the common sizes unrolled (64, 128).
+AttendFn attend_for(int64_t D, int64_t heads) {
+  return D == 64 ? attend_for_heads<4>(heads) : D == 128 ? attend_for_heads<8>(heads) : attend_for_heads<0>(heads);
 }
 
 // q [bs, H, D]; k_buffer, v_buffer [num_slots, KVH, D]; kv_indices [bs, kv_len] (row i: request
@@ -210,14 +241,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
     while (t < threads && done * threads >= total * KVH * t) cuts[t++] = w + 1;
   }
   const float s = static_cast<float>(scale);
-  auto* attend_one = D == 64 ? attend<4> : D == 128 ? attend<8> : attend<0>;  // the common head sizes unrolled
+  // Each KV head's G query heads in groups of `per`, the last group maybe smaller.
+  const int64_t per = std::min(G, heads_per_group(D));
+  const AttendFn full = attend_for(D, per), last_group = attend_for(D, G % per ? G % per : per);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t w = cuts[first]; w < cuts[last]; ++w) {
       const int64_t i = w / KVH, g = w % KVH, n = lens[i];
-      scores.resize(G * n);
-      attend_one(qp + (i * H + g * G) * D, kp + g * D, vp + g * D, table + i * L, n, row, G, D, s, scores.data(),
-             op + (i * H + g * G) * D, g == 0);
+      scores.resize(per * n);
+      for (int64_t h = 0; h < G; h += per) {
+        const int64_t at = (i * H + g * G + h) * D;  // the group's first query head, in q and in out
+        (h + per <= G ? full : last_group)(qp + at, kp + g * D, vp + g * D, table + i * L, n, row, D, s,
+                                            scores.data(), op + at, g == 0 && h == 0);
+      }
     }
   });
   return out;

@@ -2,7 +2,7 @@
 computes what your gathered decode computes.
 
 The kernel is provided; these tests hold it to your code: its output equals your
-``attend_decode`` on the metadata your ``fill_decode_metadata`` builds (GQA group sizes 1-8, the
+``attend_decode`` on the metadata your ``fill_decode_metadata`` builds (GQA group sizes 1, 3, 5, 8, the
 head sizes it unrolls and odd ones, rows of very different lengths, a padding row), it reads
 nothing but each row's first seq_len slots, it refuses metadata that would read outside the pool
 with an error that says what is wrong (and the process goes on), and the engine's CPU decode, by
@@ -45,7 +45,7 @@ def run_kernel(kernel, backend, meta, q):
 
 
 @pytest.mark.parametrize("head_dim", [16, 24, 64, 128])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (9, 3), (8, 1)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (9, 3), (10, 2), (8, 1)])
 def test_fused_kernel_equals_your_gathered_decode(kernel, num_heads, num_kv_heads, head_dim):
     lengths = [37, 1, 0, 12, 70, 5]  # row 2: a padding row (the dummy slot only)
     backend, meta = backend_with_rows(num_kv_heads, lengths, head_dim)
