@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .forward_batch import ForwardBatch, ForwardMode
-from .linear import Linear, PackedWeight, linear
+from .linear import Linear, PackedWeight, linear, linear_group
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -41,9 +41,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, i, bias=bias)
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
+        self.gate_up_packed = PackedWeight()  # gate and up as one product (linear.py: linear_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_group(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -58,6 +60,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=config.o_bias)
+        self.qkv_packed = PackedWeight()  # q, k and v as one product (linear.py: linear_group)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -65,9 +68,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -19,9 +19,16 @@ The copy is made at the first product that needs it and made again whenever the 
 to another dtype, never reads a stale copy. The results agree with ``F.linear`` to rounding
 (another order of the same additions), which the tests against ``transformers`` cover.
 Elsewhere (a GPU, a CPU without oneDNN's x86 kernels) ``linear`` is ``F.linear``.
+
+Products that read the same input (an attention layer's q, k and v; an MLP's gate and up) run as
+one (``linear_group``): their weights stacked in one prepacked copy, the result split back. One
+larger product keeps oneDNN's kernels busier than several small ones: a bare model pass, 2
+threads, 16 rows 55.0 -> 52.3 ms, 64 rows 103.8 -> 100.7, 128 rows 159.4 -> 154.3.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -52,37 +59,44 @@ def linear_kind(device: torch.device) -> str:
 
 
 class PackedWeight:
-    """The reordered copy of one weight, made when first needed and again when the weight changes."""
+    """The reordered copy of one weight (or of several stacked, see ``linear_group``), made when
+    first needed and again when any of them changes."""
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
-        self.source: torch.Tensor | None = None  # the weight it was made from
-        self.version = -1  # and that weight's version then (in-place writes count up)
+        self.sources: tuple[torch.Tensor, ...] = ()  # the weights it was made from
+        self.versions: tuple[int, ...] = ()  # and their versions then (in-place writes count up)
 
-    def of(self, weight: torch.Tensor) -> torch.Tensor:
+    def of(self, *weights: torch.Tensor) -> torch.Tensor:
         # An inference tensor (made under torch.inference_mode) keeps no version count: -1.
-        version = -1 if weight.is_inference() else weight._version
-        if self.packed is None or weight is not self.source or version != self.version:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
-            self.source, self.version = weight, version
+        versions = tuple(-1 if w.is_inference() else w._version for w in weights)
+        fresh = len(weights) == len(self.sources) and all(w is s for w, s in zip(weights, self.sources))
+        if self.packed is None or not fresh or versions != self.versions:
+            stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(stacked.detach(), PACKED_FOR_ROWS)
+            self.sources, self.versions = weights, versions
         return self.packed
+
+
+def takes_prepacked_path(x: torch.Tensor) -> bool:
+    """A product of ``x`` runs through oneDNN's prepacked weights: x is [rows, in] on a CPU with
+    at least MIN_PREPACKED_ROWS rows, oneDNN can run it, and no torch.compile is tracing (Inductor
+    lays out the weights of the products it compiles itself). The cheap checks first: this is
+    asked for every product of every pass."""
+    return (
+        PREPACKING
+        and x.is_cpu
+        and x.dim() == 2
+        and x.shape[0] >= MIN_PREPACKED_ROWS
+        and not torch.compiler.is_compiling()
+    )
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``packed`` when x is [rows, in] on a CPU with at
-    least MIN_PREPACKED_ROWS rows and oneDNN can run it. (Called for every product of every
-    pass: the checks are the cheap ones first.) Code that torch.compile traces gets F.linear:
-    Inductor lays out the weights of the products it compiles itself."""
-    if (
-        PREPACKING
-        and packed is not None
-        and x.is_cpu
-        and x.dim() == 2
-        and x.shape[0] >= MIN_PREPACKED_ROWS
-        and not torch.compiler.is_compiling()
-    ):
+    """``F.linear(x, weight, bias)``, through ``packed`` where ``takes_prepacked_path(x)``."""
+    if packed is not None and takes_prepacked_path(x):
         return _linear_pointwise(x, packed.of(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -96,3 +110,16 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
+
+
+def linear_group(x: torch.Tensor, layers: Sequence[Linear], packed: PackedWeight) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` for products that read the same input, as ONE product
+    where ``takes_prepacked_path(x)``: the weights stacked in ``packed``'s copy, the result split
+    back (views of it). The layers keep their own parameters and checkpoint names; stage 12 stacks
+    the tensors themselves when it loads them, one shard of each per rank."""
+    if not takes_prepacked_path(x):
+        return [layer(x) for layer in layers]
+    weights = [layer.weight for layer in layers]
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    out = _linear_pointwise(x, packed.of(*weights), bias, "none", [], "")
+    return list(out.split([w.shape[0] for w in weights], dim=-1))

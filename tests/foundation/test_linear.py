@@ -1,5 +1,5 @@
-"""The provided prepacked linear (s00 linear.py) computes F.linear, and never from a stale copy
-(not graded: this code is given, not written)."""
+"""The provided prepacked linear (s00 linear.py) computes F.linear, alone or as one product for a
+group of layers, and never from a stale copy (not graded: this code is given, not written)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from s00_foundation import linear as linear_module
-from s00_foundation.linear import MIN_PREPACKED_ROWS, Linear
+from s00_foundation.linear import MIN_PREPACKED_ROWS, Linear, PackedWeight, linear_group
 
 needs_onednn = pytest.mark.skipif(
     not linear_module.PREPACKING,
@@ -16,9 +16,14 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-def layer(bias: bool) -> Linear:
-    torch.manual_seed(0)
-    return Linear(96, 160, bias=bias).eval()
+def layer(bias: bool, out_features: int = 160, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    return Linear(96, out_features, bias=bias).eval()
+
+
+def group(bias: bool) -> list[Linear]:
+    """Three layers that read the same input, of different widths (q, k, v)."""
+    return [layer(bias, width, seed) for seed, width in enumerate((160, 48, 48))]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -59,3 +64,38 @@ def test_a_changed_weight_is_never_read_stale():
 
 def test_state_dict_names_are_nn_linear_s():
     assert set(layer(bias=True).state_dict()) == {"weight", "bias"}, "checkpoints load by nn.Linear's names"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64, 130])
+def test_group_equals_each_layer(rows, bias):
+    layers, x = group(bias), torch.randn(rows, 96)
+    with torch.inference_mode():
+        got = linear_group(x, layers, PackedWeight())
+    assert [g.shape for g in got] == [(rows, lin.out_features) for lin in layers]
+    for i, (g, lin) in enumerate(zip(got, layers)):
+        torch.testing.assert_close(g, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5, msg=f"layer {i}")
+
+
+@needs_onednn
+def test_group_is_one_prepacked_product():
+    layers, packed = group(bias=True), PackedWeight()
+    with torch.inference_mode():
+        linear_group(torch.randn(MIN_PREPACKED_ROWS, 96), layers, packed)
+    assert packed.packed is not None, "no stacked prepacked copy after a product of MIN_PREPACKED_ROWS rows"
+    assert all(lin.packed.packed is None for lin in layers), "the group ran layer by layer, not as one product"
+
+
+def test_a_changed_weight_in_a_group_is_never_read_stale():
+    layers, packed, x = group(bias=False), PackedWeight(), torch.randn(16, 96)
+    with torch.inference_mode():
+        linear_group(x, layers, packed)  # makes the stacked copy
+    with torch.no_grad():
+        layers[2].weight.mul_(2.0)  # the last of the three, in place
+    with torch.inference_mode():
+        got = linear_group(x, layers, packed)
+    torch.testing.assert_close(got[2], F.linear(x, layers[2].weight), atol=1e-5, rtol=1e-5)
+    layers[1].weight = torch.nn.Parameter(torch.randn(48, 96))  # another tensor
+    with torch.inference_mode():
+        got = linear_group(x, layers, packed)
+    torch.testing.assert_close(got[1], F.linear(x, layers[1].weight), atol=1e-5, rtol=1e-5)
