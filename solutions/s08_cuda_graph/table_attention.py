@@ -32,15 +32,15 @@ past its row's length) is read with weight exactly 0, so any finite value there 
 
 It is the CPU's decode where the fused kernel (decode_kernel.py) cannot be built, and the
 library-only version of the same idea. Measured on this course's CPU (2 cores, 2 torch threads;
-one decode step of SmolLM2-135M's shape, ``tools/benchmark_decode.py --shape smollm2 --threads 2``;
-the lesson has the whole table):
+one decode step of SmolLM2-135M's shape, ``tools/benchmark_decode.py --shape smollm2 --threads 2``,
+in a busy hour of the shared host; the lesson has the whole table):
 
     requests x keys     one SDPA over the gathered block    through the table    fused kernel    bare pass
-    32 x 128                       88.7 ms                       82.0 ms            77.5 ms        62.8 ms
-    64 x 512                      256.6 ms                      204.8 ms           187.5 ms       100.1 ms
-    64 x 1024                     812.9 ms                      333.7 ms           270.9 ms        99.8 ms
+    32 x 128                      122.7 ms                      116.4 ms           105.0 ms        89.2 ms
+    64 x 512                      413.5 ms                      273.4 ms           239.3 ms       134.2 ms
+    64 x 1024                     693.3 ms                      403.9 ms           352.1 ms       128.0 ms
 
-with the same tokens. The table path stays 1.2-1.5x above the memory floor (every key and value
+with the same tokens. The table path stays 1.1-1.4x above the memory floor (every key and value
 read once): the scores pass reads each key once per query head, and every row is padded to the
 batch's longest, where the fused kernel scores the G query heads of a KV head with one read of
 its keys and stops at each row's length.

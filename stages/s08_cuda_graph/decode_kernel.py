@@ -17,12 +17,12 @@ come from torch's own pool (``at::parallel_for``), so the engine's ``torch_threa
 too.
 
 Measured on this course's CPU (2 cores, 2 torch threads; the lesson has the whole table): one
-decode step of SmolLM2-135M's shape, 64 requests of 512 keys, 187.5 ms against 204.8 through the
-table and 100.1 for the bare pass (``tools/benchmark_decode.py --shape smollm2 --threads 2``);
-1.09-1.22x the memory floor where the table path is 1.16-1.48x. In ``make bench``'s workload b
-(128 requests of uneven lengths, where the table also pays for padding) decode attention took
-12.6 s against 17.6 s, of 55.8 and 60.9 s in all; reading every key and value once would take
-7.7 s.
+decode step of SmolLM2-135M's shape, 64 requests of 512 keys, 239.3 ms against 273.4 through the
+table and 134.2 for the bare pass (``tools/benchmark_decode.py --shape smollm2 --threads 2``, in a
+busy hour of the shared host); 1.06-1.23x the memory floor where the table path is 1.11-1.41x. In
+``make bench``'s workload b (128 requests of uneven lengths, where the table also pays for padding)
+the kernel's first version took 12.6 s of decode attention against 17.6 s through the table, of
+55.8 and 60.9 s in all; reading every key and value once would take 7.7 s.
 
 When there is no compiler (or ``ENGINE_DECODE_KERNEL=off`` is set), ``load()`` says why and the
 backend reads through the table instead: the same tokens, a little slower.
