@@ -40,7 +40,9 @@ from typing import Callable, Iterator
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_kernel.cpp")
+# decode_kernel.cpp and extend_kernel.cpp (the prefill's attention), one library; cpu_kernel.h what they
+# share (ninja rebuilds when it changes).
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_kernel.cpp", "extend_kernel.cpp")]
 NAME = "engine_cpu_decode_kernel"
 # First choice: tuned for this CPU's vector units and threaded by OpenMP like torch itself; second:
 # flags any C++17 compiler takes (Apple's clang has no -fopenmp: the kernel then runs on one thread).
@@ -52,8 +54,9 @@ OFF = "ENGINE_DECODE_KERNEL"  # set to "off" to never build or use it
 class DecodeKernel:
     """The loaded kernel, or why there is none (``op`` None)."""
 
-    op: Callable[..., torch.Tensor] | None
+    op: Callable[..., torch.Tensor] | None  # torch.ops.engine_cpu.decode_attention
     how: str  # the flags it was built with, or the reason it is missing
+    extend_op: Callable[..., torch.Tensor] | None = None  # torch.ops.engine_cpu.extend_attention, built with it
 
 
 @functools.cache  # once per process: the library, once loaded, stays registered with torch
@@ -73,13 +76,14 @@ def load() -> DecodeKernel:
             try:
                 cpp_extension.load(
                     name=NAME,
-                    sources=[str(SOURCE)],
+                    sources=[str(source) for source in SOURCES],
                     extra_cflags=flags,
                     extra_ldflags=[f for f in flags if f == "-fopenmp"],
                     is_python_module=False,
                     verbose=False,
                 )
-                return DecodeKernel(torch.ops.engine_cpu.decode_attention, " ".join(flags))
+                ops = torch.ops.engine_cpu
+                return DecodeKernel(ops.decode_attention, " ".join(flags), ops.extend_attention)
             except Exception as error:  # noqa: BLE001 - a build that fails for any reason falls back
                 failures.append(f"{' '.join(flags)}: {str(error).strip().splitlines()[-1][:200]}")
     return DecodeKernel(None, "the build failed (" + "; ".join(failures) + ")")

@@ -81,7 +81,13 @@ class GraphModelRunner(ModelRunner):
             "table": "through the table, no gather",
             "fused": "by the fused CPU kernel, no gather",
         }[self.attn_backend.decode_path]
-        return f"{super().attention_backend_name}; decodes batched, {how} ({self.attn_backend.decode_path_reason})"
+        backend = self.attn_backend
+        extends = (
+            f"; extends by the fused CPU kernel ({backend.extend_path_reason})"
+            if backend.extend_path == "fused"
+            else ""
+        )
+        return f"{super().attention_backend_name}; decodes batched, {how} ({backend.decode_path_reason}){extends}"
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [num_reqs, vocab] at each request's last new token, by whichever path fits."""

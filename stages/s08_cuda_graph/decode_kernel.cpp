@@ -26,54 +26,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernel.h"
+
 namespace {
 
-constexpr int64_t LANES = 16;
+using namespace cpu_kernel;
+
 constexpr int64_t PREFETCH_AHEAD = 8;   // keys ahead, into L1: this KV head's part of the key's row
 constexpr int64_t PREFETCH_ROWS = 16;   // keys ahead, into L2: the whole row, for the other heads' passes
-typedef float vec16 __attribute__((vector_size(LANES * sizeof(float))));
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
-typedef int32_t ivec16 __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-inline vec16 load16(const float* p) {
-  vec16 r;
-  __builtin_memcpy(&r, p, sizeof r);  // unaligned load
-  return r;
-}
-inline void store16(float* p, vec16 x) { __builtin_memcpy(p, &x, sizeof x); }
-
-inline float hsum(vec16 x) {  // the sum of the 16 lanes, halving: 16 -> 8 -> 4 -> 1
-  vec8 lo, hi;
-  __builtin_memcpy(&lo, &x, sizeof lo);
-  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
-  const vec8 s8 = lo + hi;
-  vec4 a, b;
-  __builtin_memcpy(&a, &s8, sizeof a);
-  __builtin_memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
-  const vec4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-// exp of 16 floats: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
-// within float32's rounding), times 2^k written straight into the exponent bits. Inputs here are
-// score - max <= 0; below -87 the weight is under 1e-38 of the row's largest and comes out ~0.
-inline vec16 exp16(vec16 x) {
-  const vec16 lowest = vec16{} - 87.f;
-  x = x < lowest ? lowest : x;
-  const vec16 scaled = x * 1.44269504088896341f + 0.5f;  // x / ln2, rounded below by the floor
-  ivec16 k = __builtin_convertvector(scaled, ivec16);      // truncates toward zero...
-  k = k + (__builtin_convertvector(k, vec16) > scaled);    // ...so step down where that rounded up (true is -1)
-  const vec16 kf = __builtin_convertvector(k, vec16);
-  const vec16 r = x - kf * 0.693359375f + kf * 2.12194440e-4f;  // ln2 in two parts: r stays exact
-  vec16 p = vec16{} + 1.f / 5040;
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
-  ivec16 bits;
-  __builtin_memcpy(&bits, &p, sizeof bits);
-  bits = bits + (k << 23);
-  __builtin_memcpy(&p, &bits, sizeof p);
-  return p;
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   vec16 acc = vec16{};
@@ -215,14 +175,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   const int64_t G = H / KVH, L = kv_indices.size(1), row = KVH * D;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* table = kv_indices.data_ptr<int64_t>();
-  int64_t total = 0;
   for (int64_t i = 0; i < bs; ++i) {
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= L, "decode_attention: row ", i, " has seq_len ", lens[i],
                 ", outside 1..", L, " (kv_indices' width)");
     for (int64_t j = 0; j < lens[i]; ++j)  // a slot outside the pool would read another process's memory
       TORCH_CHECK(table[i * L + j] >= 0 && table[i * L + j] < S, "decode_attention: row ", i, " names slot ",
                   table[i * L + j], ", outside the pool's ", S);
-    total += lens[i];
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -230,23 +188,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   const float* vp = v_buffer.data_ptr<float>();
   float* op = out.data_ptr<float>();
 
-  // Work item w = (request w / KVH, KV head w % KVH) costs about its request's length. Each thread
-  // gets one contiguous range of items with an equal share of the total length: an even split by
-  // count (OpenMP's static schedule) would leave one thread alone with the long rows.
-  const int64_t items = bs * KVH, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  std::vector<int64_t> cuts(threads + 1, items);
-  cuts[0] = 0;
-  for (int64_t w = 0, done = 0, t = 1; w < items && t < threads; ++w) {
-    done += lens[w / KVH];
-    while (t < threads && done * threads >= total * KVH * t) cuts[t++] = w + 1;
-  }
+  // Work item w = (request w / KVH, KV head w % KVH) costs about its request's length.
+  std::vector<int64_t> cost(bs * KVH + 1, 0);
+  for (int64_t w = 0; w < bs * KVH; ++w) cost[w + 1] = cost[w] + lens[w / KVH];
   const float s = static_cast<float>(scale);
   // Each KV head's G query heads in groups of `per`, the last group maybe smaller.
   const int64_t per = std::min(G, heads_per_group(D));
   const AttendFn full = attend_for(D, per), last_group = attend_for(D, G % per ? G % per : per);
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+  parallel_by_cost(cost, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
-    for (int64_t w = cuts[first]; w < cuts[last]; ++w) {
+    for (int64_t w = first; w < last; ++w) {
       const int64_t i = w / KVH, g = w % KVH, n = lens[i];
       scores.resize(per * n);
       for (int64_t h = 0; h < G; h += per) {

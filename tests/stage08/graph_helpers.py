@@ -4,6 +4,9 @@ decode backend over a random pool with rows of given lengths."""
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 
 from s02_request_and_sampling.req import Req
@@ -11,6 +14,7 @@ from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
 from s04_paged_kv_pool.memory_pool import ReqToTokenPool, TokenToKVPool
 from s04_paged_kv_pool.model_runner import ModelRunner
+from s08_cuda_graph import decode_kernel
 from s08_cuda_graph.decode_attention import DecodeAttentionBackend, DecodeMetadata
 from s08_cuda_graph.model_runner import GraphModelRunner
 
@@ -82,3 +86,15 @@ def backend_with_rows(num_kv_heads: int, lengths: list[int], head_dim: int = 16,
     )
     backend.fill_decode_metadata(meta, torch.arange(len(lengths)))
     return backend, meta
+
+
+def built_kernel() -> decode_kernel.DecodeKernel:
+    """The fused CPU kernels (decode and extend), built; a skip with the reason where nothing here
+    can build them, a failure where a C++ compiler is here and the build failed."""
+    loaded = decode_kernel.load()
+    if loaded.op is None:
+        off = decode_kernel.OFF
+        if "no C++ compiler" in loaded.how or off in loaded.how or shutil.which("c++") is None:
+            pytest.skip(f"the fused CPU kernels are not available here: {loaded.how}")
+        pytest.fail(f"a C++ compiler is here but the fused CPU kernels did not build: {loaded.how}")
+    return loaded

@@ -12,12 +12,10 @@ kernel that a compiler here fails to build is a failure."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from graph_helpers import MAX_CONTEXT, POOL_SIZE, backend_with_rows, prompts_of, run_pass, start
+from graph_helpers import MAX_CONTEXT, POOL_SIZE, backend_with_rows, built_kernel, prompts_of, run_pass, start
 from reference import engine_model
 from s00_foundation.forward_batch import ForwardMode
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -28,13 +26,7 @@ from s08_cuda_graph.model_runner import GraphModelRunner
 @pytest.fixture(scope="module")
 def kernel():
     """The built kernel; a skip with the reason where nothing here can build it."""
-    loaded = decode_kernel.load()
-    if loaded.op is None:
-        off = decode_kernel.OFF
-        if "no C++ compiler" in loaded.how or off in loaded.how or shutil.which("c++") is None:
-            pytest.skip(f"the fused decode kernel is not available here: {loaded.how}")
-        pytest.fail(f"a C++ compiler is here but the fused decode kernel did not build: {loaded.how}")
-    return loaded.op
+    return built_kernel().op
 
 
 def run_kernel(kernel, backend, meta, q):
@@ -107,6 +99,11 @@ def test_cpu_eager_decode_equals_stage4(tiny_model_dir, path, monkeypatch, reque
     )
     said = {"fused": "by the fused CPU kernel", "table": "through the table"}[path]
     assert said in runner.attention_backend_name, f"describe() should say the decode runs {said}"
+    # the prefill (step 0) and the MIXED pass's new prompts: the fused extend kernel, or stage 4's path
+    extend_path = "fused" if path == "fused" else "per-request"
+    assert runner.attn_backend.extend_path == extend_path, (
+        f"the extends should take the {extend_path!r} path here, took {runner.attn_backend.extend_path!r}"
+    )
     prompts = prompts_of(7)
     ours, theirs = start(runner, prompts), start(eager_runner, prompts)
     # step 0 prefills 5; then decodes of 5; a MIXED pass (4 decodes + 2 new prompts); decodes of 6 and 3

@@ -1,0 +1,76 @@
+// What the CPU kernels (decode_kernel.cpp, extend_kernel.cpp) share: arithmetic on 16 floats at a
+// time in the compiler's portable vector type, which GCC and clang lower to whatever the CPU has
+// (one AVX-512 register, two AVX2 ones, four NEON ones), an exp of 16 floats, and the split of a
+// call's work over torch's threads.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace cpu_kernel {
+
+constexpr int64_t LANES = 16;
+typedef float vec16 __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t ivec16 __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+inline vec16 load16(const float* p) {
+  vec16 r;
+  __builtin_memcpy(&r, p, sizeof r);  // unaligned load
+  return r;
+}
+inline void store16(float* p, vec16 x) { __builtin_memcpy(p, &x, sizeof x); }
+
+inline float hsum(vec16 x) {  // the sum of the 16 lanes, halving: 16 -> 8 -> 4 -> 1
+  vec8 lo, hi;
+  __builtin_memcpy(&lo, &x, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const vec8 s8 = lo + hi;
+  vec4 a, b;
+  __builtin_memcpy(&a, &s8, sizeof a);
+  __builtin_memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
+  const vec4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// exp of 16 floats: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
+// within float32's rounding), times 2^k written straight into the exponent bits. Inputs here are
+// score - max <= 0; below -87 the weight is under 1e-38 of the row's largest and comes out ~0.
+inline vec16 exp16(vec16 x) {
+  const vec16 lowest = vec16{} - 87.f;
+  x = x < lowest ? lowest : x;
+  const vec16 scaled = x * 1.44269504088896341f + 0.5f;  // x / ln2, rounded below by the floor
+  ivec16 k = __builtin_convertvector(scaled, ivec16);      // truncates toward zero...
+  k = k + (__builtin_convertvector(k, vec16) > scaled);    // ...so step down where that rounded up (true is -1)
+  const vec16 kf = __builtin_convertvector(k, vec16);
+  const vec16 r = x - kf * 0.693359375f + kf * 2.12194440e-4f;  // ln2 in two parts: r stays exact
+  vec16 p = vec16{} + 1.f / 5040;
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  ivec16 bits;
+  __builtin_memcpy(&bits, &p, sizeof bits);
+  bits = bits + (k << 23);
+  __builtin_memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// Runs body(first, last) on each of torch's threads over one contiguous range of work items, the
+// ranges cut at equal shares of the total cost (cost[w]: what items 0 .. w-1 cost together, so
+// cost[0] = 0 and cost has one entry more than there are items). An even split by count (OpenMP's
+// static schedule) would leave one thread alone with the long rows.
+template <typename Body>
+void parallel_by_cost(const std::vector<int64_t>& cost, const Body& body) {
+  const int64_t items = static_cast<int64_t>(cost.size()) - 1;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> cuts(threads + 1, items);
+  cuts[0] = 0;
+  for (int64_t w = 0, t = 1; w < items && t < threads; ++w)
+    while (t < threads && cost[w + 1] * threads >= cost.back() * t) cuts[t++] = w + 1;
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) { body(cuts[first], cuts[last]); });
+}
+
+}  // namespace cpu_kernel
