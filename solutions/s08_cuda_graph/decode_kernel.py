@@ -24,30 +24,31 @@ busy hour of the shared host); 1.06-1.23x the memory floor where the table path 
 the kernel's first version took 12.6 s of decode attention against 17.6 s through the table, of
 55.8 and 60.9 s in all; reading every key and value once would take 7.7 s.
 
-When there is no compiler (or ``ENGINE_DECODE_KERNEL=off`` is set), ``load()`` says why and the
-backend reads through the table instead: the same tokens, a little slower.
+The same library holds the prefill's attention (extend_kernel.cpp, ``torch.ops.engine_cpu.
+extend_attention``): a request's new tokens against its whole context, read in place through the
+table, causal, flash-attention style (decode_attention.py's ``forward_extend`` calls it).
+
+When there is no compiler (or ``ENGINE_DECODE_KERNEL=off`` or ``ENGINE_CPU_KERNELS=off`` is set),
+``load()`` says why and the backend reads through the table instead, and extends take stage 4's
+path: the same tokens, a little slower.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-# decode_kernel.cpp and extend_kernel.cpp (the prefill's attention), one library; cpu_kernel.h what they
-# share (ninja rebuilds when it changes).
+from s00_foundation.cpu_extension import build, switched_off
+
+# decode_kernel.cpp and extend_kernel.cpp (the prefill's attention), one library, built by s00
+# cpu_extension.py (which also says where the compiler is missing, and ENGINE_CPU_KERNELS=off).
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_kernel.cpp", "extend_kernel.cpp")]
 NAME = "engine_cpu_decode_kernel"
-# First choice: tuned for this CPU's vector units and threaded by OpenMP like torch itself; second:
-# flags any C++17 compiler takes (Apple's clang has no -fopenmp: the kernel then runs on one thread).
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3"])
-OFF = "ENGINE_DECODE_KERNEL"  # set to "off" to never build or use it
+OFF = "ENGINE_DECODE_KERNEL"  # set to "off" to never build or use these two (ENGINE_CPU_KERNELS: any)
 
 
 @dataclass(frozen=True)
@@ -61,47 +62,12 @@ class DecodeKernel:
 
 @functools.cache  # once per process: the library, once loaded, stays registered with torch
 def load() -> DecodeKernel:
-    """Build (or find in the cache) and load the kernel; never raises."""
-    if os.environ.get(OFF, "").lower() in ("0", "off", "false", "no"):
-        return DecodeKernel(None, f"off ({OFF}={os.environ[OFF]})")
-    try:
-        from torch.utils import cpp_extension
-    except ImportError as error:  # a torch build without its C++ tooling
-        return DecodeKernel(None, f"torch.utils.cpp_extension is missing ({error})")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return DecodeKernel(None, "no C++ compiler (install g++ or clang, or set CXX)")
-    failures = []
-    with ninja_on_path():
-        for flags in FLAG_SETS:
-            try:
-                cpp_extension.load(
-                    name=NAME,
-                    sources=[str(source) for source in SOURCES],
-                    extra_cflags=flags,
-                    extra_ldflags=[f for f in flags if f == "-fopenmp"],
-                    is_python_module=False,
-                    verbose=False,
-                )
-                ops = torch.ops.engine_cpu
-                return DecodeKernel(ops.decode_attention, " ".join(flags), ops.extend_attention)
-            except Exception as error:  # noqa: BLE001 - a build that fails for any reason falls back
-                failures.append(f"{' '.join(flags)}: {str(error).strip().splitlines()[-1][:200]}")
-    return DecodeKernel(None, "the build failed (" + "; ".join(failures) + ")")
-
-
-@contextlib.contextmanager
-def ninja_on_path() -> Iterator[None]:
-    """``cpp_extension`` runs the ``ninja`` build tool by name: when it is not on PATH (a venv that
-    is not activated), put the pip package's copy there for the build, and take it off again."""
-    saved = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
-        except ImportError:
-            pass  # then cpp_extension says that ninja is missing, and load() passes that on
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = saved
+    """Build (or find in the cache) and load the kernels; never raises."""
+    reason = switched_off(OFF)
+    if reason is not None:
+        return DecodeKernel(None, reason)
+    built, how = build(NAME, SOURCES)
+    if not built:
+        return DecodeKernel(None, how)
+    ops = torch.ops.engine_cpu
+    return DecodeKernel(ops.decode_attention, how, ops.extend_attention)

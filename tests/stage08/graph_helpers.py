@@ -4,11 +4,9 @@ decode backend over a random pool with rows of given lengths."""
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
 import torch
 
+from cpu_build import require_built
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.engine import prepare_forward
@@ -92,9 +90,5 @@ def built_kernel() -> decode_kernel.DecodeKernel:
     """The fused CPU kernels (decode and extend), built; a skip with the reason where nothing here
     can build them, a failure where a C++ compiler is here and the build failed."""
     loaded = decode_kernel.load()
-    if loaded.op is None:
-        off = decode_kernel.OFF
-        if "no C++ compiler" in loaded.how or off in loaded.how or shutil.which("c++") is None:
-            pytest.skip(f"the fused CPU kernels are not available here: {loaded.how}")
-        pytest.fail(f"a C++ compiler is here but the fused CPU kernels did not build: {loaded.how}")
+    require_built(loaded.op is not None, loaded.how, "the fused CPU attention kernels")
     return loaded

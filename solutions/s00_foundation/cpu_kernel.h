@@ -1,4 +1,4 @@
-// What the CPU kernels (decode_kernel.cpp, extend_kernel.cpp) share: arithmetic on 16 floats at a
+// What the CPU kernels (s00 cpu_ops.cpp, s08 decode_kernel.cpp and extend_kernel.cpp) share: arithmetic on 16 floats at a
 // time in the compiler's portable vector type, which GCC and clang lower to whatever the CPU has
 // (one AVX-512 register, two AVX2 ones, four NEON ones), an exp of 16 floats, and the split of a
 // call's work over torch's threads.
