@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_ops
 from .config import ModelConfig
 from .forward_batch import ForwardBatch, ForwardMode
 from .linear import Linear, PackedWeight, linear, linear_group
@@ -28,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_ops.applies(x):  # a CPU pass: the same math in one loop (cpu_ops.py)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 even for bfloat16 activations: the mean of squares loses too much in 8 bits.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,6 +48,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear_group(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
+        if cpu_ops.applies(gate):  # a CPU pass: silu(gate) * up in one loop (cpu_ops.py)
+            return self.down_proj(cpu_ops.silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

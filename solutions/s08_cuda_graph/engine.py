@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
+from s00_foundation import cpu_ops
 from s00_foundation.device import describe, set_torch_threads
 from s00_foundation.linear import linear_kind
 from s00_foundation.model import CausalLM
@@ -97,6 +98,7 @@ class CudaGraphEngine(ChunkedPrefillEngine):
                 f"device: {describe(self.model.device)}, {str(self.model.dtype).removeprefix('torch.')}",
                 f"attention: {runner.attention_backend_name} (one attention call per layer)",
                 f"linear layers: {linear_kind(self.model.device)}",
+                f"norms, SiLU, RoPE: {cpu_ops.kind(self.model.device)}",
                 f"graphs: {graphs}",
                 "torch.compile: "
                 + ("on (the decoder layers; attention eager)" if self.config.enable_torch_compile else "off"),

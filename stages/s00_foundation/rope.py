@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from . import cpu_ops
 from .config import ModelConfig
 
 
@@ -63,6 +64,8 @@ class RotaryEmbedding:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, heads, D] by the per-token angles in ``cos``/``sin`` [T, D]."""
+    if cpu_ops.applies(x):  # a CPU pass: the same products and sums in one loop (cpu_ops.py)
+        return cpu_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
