@@ -101,6 +101,21 @@ def check_flash_attn() -> bool:
     return report("OK", f"flash-attn {flash_attn.__version__} (optional)")
 
 
+def check_compiler() -> bool:
+    """The C++ compiler the CPU kernels are built with on first use (s00 cpu_extension.py)."""
+    import shutil
+
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)
+    if found is None:
+        return report(
+            "--",
+            f"C++ compiler: no {compiler} (optional: the CPU kernels then run as PyTorch operators, a little "
+            "slower; install g++ or clang, or Xcode's command-line tools on a Mac)",
+        )
+    return report("OK", f"C++ compiler: {found} (builds the CPU kernels on first use, cached)")
+
+
 def check_model() -> bool:
     """The default model is there and loads: config, safetensors header, tokenizer."""
     fix = "-> run `make setup` (or: .venv/bin/python tools/setup_model.py)"
@@ -138,6 +153,7 @@ def main() -> int:
     ok &= check_cuda(torch)
     ok &= check_threads(torch)
     ok &= check_flash_attn()
+    ok &= check_compiler()
     ok &= check_model()
     print("environment ready" if ok else "environment NOT ready: fix the [FAIL] lines above")
     return 0 if ok else 1

@@ -14,7 +14,7 @@
 // Why the rows sit in the vector lanes: a key is D floats in a row of the pool, and taking them one
 // at a time as broadcast scalars against 16 query rows needs no transposed copy of K (nor of V);
 // only Q (once per task) and the output (at its end) change layout. Both products run in register
-// tiles of 8 keys (or 8 output floats) x 2 vectors of rows, 16 sums held in registers.
+// tiles of 8 keys (or 8 output floats) x 3 vectors of rows, 24 sums held in registers.
 //
 // Registered as torch.ops.engine_cpu.extend_attention (s08_cuda_graph/decode_kernel.py builds and
 // loads it with the decode kernel); float32 only.

@@ -9,9 +9,9 @@ one loop needs two. On a GPU that is what kernel fusion (SGLang's ``sgl_kernel``
 ``torch.compile``) removes; on a CPU these loops are the same idea, written out once.
 
 Measured on this course's CPU (SmolLM2-135M, float32, 2 torch threads, one bare model pass, the
-fused steps against PyTorch's alternating in one run, the best of six): a decode pass of 16 rows
-78.7 -> 65.8 ms, of 64 rows 137.8 -> 122.0, of 128 rows 208.3 -> 190.7; a 512-token prefill
-512.4 -> 469.5 ms.
+fused steps and PyTorch's alternating in one process, the best of six, load 1.8 in a slow hour of
+the host): a decode pass of 16 rows 95.8 -> 84.2 ms, of 64 rows 194.5 -> 172.8, of 128 rows
+302.5 -> 235.3; a 512-token prefill 680.1 -> 570.2 ms.
 
 ``applies(x)`` says when a step takes the fused loop: ``x`` is a float32 CPU tensor, no autograd
 is recording (the model runs under ``torch.inference_mode``), no ``torch.compile`` is tracing
