@@ -82,9 +82,9 @@ struct Task {
 
 // One thread's buffers, sized for the largest task.
 struct Scratch {
-  std::vector<float> qt, ot, st, zeros;
+  std::vector<float> qt, ot, st, zeros, inv;
   std::vector<vec16> m, l, alpha;
-  std::vector<ivec16> pos;
+  std::vector<int32_t> pos;  // each row's position (its token's)
   std::vector<const float*> keys, values;
 };
 
@@ -106,15 +106,13 @@ void run_task(const Call& c, const Task& t, Scratch& s) {
   s.qt.assign(D * rp, 0.f);
   s.ot.assign(D * rp, 0.f);
   s.st.resize(BK * rp);
-  std::vector<int32_t> pos(rp, static_cast<int32_t>(kend - 1));  // padding rows see every key
+  s.pos.assign(rp, static_cast<int32_t>(kend - 1));  // padding rows see every key
   for (int64_t r = 0; r < R; ++r) {
     const int64_t token = c.qstart[t.req] + t.q0 + r / c.G, head = t.g * c.G + r % c.G;
     const float* qr = c.q + (token * c.H + head) * D;
     for (int64_t d = 0; d < D; ++d) s.qt[d * rp + r] = qr[d] * c.scale;
-    pos[r] = static_cast<int32_t>(first + r / c.G);
+    s.pos[r] = static_cast<int32_t>(first + r / c.G);
   }
-  s.pos.resize(nrv);
-  __builtin_memcpy(s.pos.data(), pos.data(), rp * sizeof(int32_t));
   s.m.assign(nrv, vec16{} - INFINITY);
   s.l.assign(nrv, vec16{});
   s.alpha.resize(nrv);
@@ -137,10 +135,12 @@ void run_task(const Call& c, const Task& t, Scratch& s) {
     for (int64_t v = 0; v < nrv; ++v) {
       float* col = &s.st[v * LANES];
       vec16 mx = s.m[v];
+      ivec16 pos;
+      __builtin_memcpy(&pos, &s.pos[v * LANES], sizeof pos);
       for (int64_t j = 0; j < nk; ++j) {
         vec16 x = load16(col + j * rp);
         if (masked) {
-          x = (ivec16{} + static_cast<int32_t>(j0 + j)) > s.pos[v] ? minus_inf : x;
+          x = (ivec16{} + static_cast<int32_t>(j0 + j)) > pos ? minus_inf : x;
           store16(col + j * rp, x);
         }
         mx = x > mx ? x : mx;
@@ -176,12 +176,12 @@ void run_task(const Call& c, const Task& t, Scratch& s) {
       }
     }
   }
-  std::vector<float> inv(rp);
-  for (int64_t v = 0; v < nrv; ++v) store16(&inv[v * LANES], 1.f / s.l[v]);
+  s.inv.resize(rp);
+  for (int64_t v = 0; v < nrv; ++v) store16(&s.inv[v * LANES], 1.f / s.l[v]);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t token = c.qstart[t.req] + t.q0 + r / c.G, head = t.g * c.G + r % c.G;
     float* o = c.out + (token * c.H + head) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = s.ot[d * rp + r] * inv[r];
+    for (int64_t d = 0; d < D; ++d) o[d] = s.ot[d * rp + r] * s.inv[r];
   }
 }
 
