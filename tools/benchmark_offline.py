@@ -566,7 +566,10 @@ def main() -> None:
     if args.peer:
         longest = max(len(p) + n for w in workloads for p, n in zip(w.prompts, w.output_lens))
         print(f"starting vLLM in {args.peer} (its own venv; minutes: it compiles the model) ...", flush=True)
-        peer = Peer(args.peer, args.model_path, longest, threads)
+        try:
+            peer = Peer(args.peer, args.model_path, longest, threads)
+        except RuntimeError as error:  # it could not start: its own words, not our traceback
+            sys.exit(f"--peer {args.peer}: {error}")
         print(f"vLLM {peer.version} ready after {peer.load_seconds:.0f} s (not timed)")
     try:
         rows = [benchmark_workload(args, w, model, tokenizer, hf_model, pad_id, device, peer) for w in workloads]
