@@ -568,7 +568,7 @@ def main() -> None:
         print(f"starting vLLM in {args.peer} (its own venv; minutes: it compiles the model) ...", flush=True)
         try:
             peer = Peer(args.peer, args.model_path, longest, threads)
-        except RuntimeError as error:  # it could not start: its own words, not our traceback
+        except (RuntimeError, OSError) as error:  # it could not start (or not be found): say so, no traceback
             sys.exit(f"--peer {args.peer}: {error}")
         print(f"vLLM {peer.version} ready after {peer.load_seconds:.0f} s (not timed)")
     try:
