@@ -403,6 +403,8 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     knobs = dict(max_running_requests=args.max_running_requests) if args.max_running_requests else {}
     if args.pool_size:
         knobs["pool_size"] = args.pool_size
+    if args.chunked_prefill_size:
+        knobs["chunked_prefill_size"] = args.chunked_prefill_size
     if args.stage >= 8:
         knobs.update(torch_threads=args.threads, enable_torch_compile=args.torch_compile)
     if args.overlap != "auto":
@@ -520,6 +522,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
     parser.add_argument("--max-running-requests", type=int, default=None, help="the engine's (default: its own)")
     parser.add_argument("--pool-size", type=int, default=None, help="the engine's KV slots (default: its own)")
+    parser.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="stages 7+: prompt tokens per step (default: the engine's own, 2048 in generate())",
+    )
     parser.add_argument(
         "--time-limit", type=float, default=1800, help="seconds each transformers baseline may run per workload"
     )

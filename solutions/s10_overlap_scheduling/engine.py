@@ -69,7 +69,7 @@ class OverlapEngine(CudaGraphEngine):
             self.runner,
             self.make_prefix_cache(),
             enable_overlap=enable,
-            chunked_prefill_size=c.chunked_prefill_size,
+            chunked_prefill_size=self.chunked_prefill_size(offline=False),
             schedule_policy=c.schedule_policy,
             **self.scheduler_options(),
         )

@@ -27,7 +27,7 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
         "--chunked-prefill-size",
         "chunked_prefill_size",
         int,
-        "prompt tokens per step; longer prompts are chunked (stage 7)",
+        "prompt tokens per step; longer prompts are chunked (stage 7; default 512: a server streams)",
     ),
     ("--cuda-graph-max-bs", "cuda_graph_max_bs", int, "largest decode batch replayed from a CUDA graph (stage 8)"),
     (

@@ -121,3 +121,12 @@ def test_stage_9s_servers_need_nothing_beyond_stage_9(tiny_models_root):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["CudaGraphEngine", "[]"], done.stdout
+
+
+@pytest.mark.parametrize("bad", [0, -5, "big", 2.5, True])
+def test_a_bad_chunked_prefill_size_is_refused_with_what_is_allowed(tiny_models_root, bad):
+    from s07_chunked_prefill.engine import ChunkedPrefillEngine
+
+    path = str(tiny_models_root / "llama")
+    with pytest.raises(ValueError, match=r"chunked_prefill_size must be a positive number of tokens.*auto"):
+        ChunkedPrefillEngine(engine_model(path), engine_tokenizer(path), pool_size=256, chunked_prefill_size=bad)
