@@ -403,7 +403,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     knobs = dict(max_running_requests=args.max_running_requests) if args.max_running_requests else {}
     if args.pool_size:
         knobs["pool_size"] = args.pool_size
-    if args.chunked_prefill_size:
+    if args.chunked_prefill_size is not None:  # 0 reaches the engine, which refuses it by name
         knobs["chunked_prefill_size"] = args.chunked_prefill_size
     if args.stage >= 8:
         knobs.update(torch_threads=args.threads, enable_torch_compile=args.torch_compile)
