@@ -5,7 +5,9 @@ graph, and the bare model forward (the ceiling), side by side.
 For each batch size and context length it prefills that many requests, warms up, and reports the
 median ``runner.forward`` time of a decode step on each path (s08 decode_latency.py), and the
 bare forward of the same batch (attention and KV pool taken out): "batched / bare" is what a
-decode step costs beyond the model's own matrix products. Nothing is asserted.
+decode step costs beyond the model's own matrix products. "floor" adds to the bare pass one read
+of the step's K/V at the rate this device streams memory (measured here, first): no attention
+reads less, so "batched / floor" is what is left to win. Nothing is asserted.
 
 The model is random-weight, of a real shape built here (nothing downloaded; latency does not
 depend on the weights' values): Qwen3-0.6B's by default, SmolLM2-135M's (the default model's)
@@ -43,6 +45,8 @@ from s08_cuda_graph.decode_latency import (  # noqa: E402
     SMOLLM2_135M,
     bare_forward_latency,
     decode_step_latency,
+    memory_floor,
+    memory_read_rate,
     random_model,
 )
 
@@ -94,7 +98,9 @@ def main() -> None:
         f"model: {name}, random weights ({params / 1e6:.0f}M parameters, {shape['num_hidden_layers']} layers)  "
         f"dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}  load average {os.getloadavg()[0]:.2f}"
     )
+    read_rate = memory_read_rate(device)
     print(SWITCH.describe())
+    print(f"memory read rate: {read_rate / 1e9:.1f} GB/s (a sum over 512 MiB, best of 5)")
     print(
         f"one decode step (runner.forward) of N requests; median of {args.steps} steps; bare = the model pass "
         "without attention" + ("; torch.compile on" if args.torch_compile else "")
@@ -104,8 +110,10 @@ def main() -> None:
     header = (
         f"{'batch':>6s} {'context':>8s}"
         + "".join(f" {p + ' ms':>11s}" for p in paths)
-        + f" {'bare ms':>9s} {'batched/bare':>13s}"
+        + f" {'bare ms':>9s} {'floor ms':>9s}"
     )
+    if "batched" in paths:
+        header += f" {'batched/bare':>13s} {'batched/floor':>14s}"
     if "graph" in paths and "batched" in paths:
         header += f" {'graph speed-up':>15s}"
     print("\n" + header)
@@ -122,10 +130,12 @@ def main() -> None:
                     row["bucket"] = result["bucket"]
                 line += f" {row[f'{path}_ms']:>11.3f}"
             row["bare_ms"] = 1000 * bare_forward_latency(model, bs, context_len, steps=args.steps)
-            line += f" {row['bare_ms']:>9.3f}"
+            row["floor_ms"] = 1000 * memory_floor(model, bs, context_len, row["bare_ms"] / 1000, read_rate)
+            line += f" {row['bare_ms']:>9.3f} {row['floor_ms']:>9.3f}"
             if "batched" in paths:
                 row["batched_over_bare"] = row["batched_ms"] / row["bare_ms"]
-                line += f" {row['batched_over_bare']:>12.2f}x"
+                row["batched_over_floor"] = row["batched_ms"] / row["floor_ms"]
+                line += f" {row['batched_over_bare']:>12.2f}x {row['batched_over_floor']:>13.2f}x"
             if "graph" in paths and "batched" in paths:
                 row["graph_speedup"] = row["batched_ms"] / row["graph_ms"]
                 line += f" {row['graph_speedup']:>14.2f}x"
@@ -142,6 +152,7 @@ def main() -> None:
                     "model": name,
                     "torch_threads": threads,
                     "steps": args.steps,
+                    "memory_read_gb_per_s": read_rate / 1e9,
                     "rows": rows,
                 },
                 indent=2,

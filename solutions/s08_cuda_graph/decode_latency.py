@@ -20,6 +20,12 @@ host work (slot allocation, building the batch) is left out, as it is the same o
 ``bare_forward_latency(model, batch_size)`` times the same model pass with attention and the KV
 pool taken out (``BareAttention``): the ceiling a decode step could reach, everything else equal.
 
+``memory_floor(model, batch_size, context_len, bare_seconds, read_rate)`` is the least a decode
+step can take on a device that streams memory at ``read_rate`` bytes a second
+(``memory_read_rate``): the bare pass plus one read of every key and value in context. No
+attention can do better than read them once, so "batched / floor" is the part of a step that
+better code could still remove.
+
 ``random_model`` builds a model of any shape with random weights (no download), e.g.
 ``SMOLLM2_135M`` or ``QWEN3_0_6B``: the default model's and Qwen3-0.6B's shapes.
 """
@@ -182,6 +188,37 @@ class BareAttention(AttentionBackend):
 
     def forward(self, q, k, v, layer_id, batch):
         return q
+
+
+def kv_bytes(model: CausalLM, batch_size: int, context_len: int) -> int:
+    """Bytes of K and V a decode step of ``batch_size`` requests of ``context_len`` tokens reads:
+    every layer, every KV head, once (the KV pool holds the model's dtype)."""
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
+    return batch_size * context_len * per_token
+
+
+@torch.inference_mode()
+def memory_read_rate(device: torch.device | str, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes a second this device reads a buffer far larger than its caches (the best of
+    ``repeats`` sums over ``megabytes``; on a CPU with torch's threads): the rate a decode's K/V
+    reads cannot beat. A sum reads every byte once and writes nothing, as a decode's K/V reads do."""
+    device = torch.device(device)
+    buffer = torch.ones(megabytes * 2**20 // 4, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        synchronize(device)
+        start = time.perf_counter()
+        buffer.sum()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
+def memory_floor(model: CausalLM, batch_size: int, context_len: int, bare_seconds: float, read_rate: float) -> float:
+    """Seconds a decode step cannot go below: the bare pass (``bare_seconds``) plus reading the
+    step's K/V once at ``read_rate`` bytes a second."""
+    return bare_seconds + kv_bytes(model, batch_size, context_len) / read_rate
 
 
 @torch.inference_mode()
