@@ -376,6 +376,14 @@ def create_app(
             return error_response(
                 400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
             )
+        if not first.get("loc", ())[1:] and first.get("type") in ("model_attributes_type", "dict_type"):
+            # the body parsed, but to something other than an object: a list, a number, or (sent
+            # without the JSON content type) a string FastAPI never parsed
+            sent_as = request.headers.get("content-type", "no Content-Type")
+            how = "" if "json" in sent_as.lower() else f"; it was sent as {sent_as!r}"
+            return error_response(
+                400, f"the request body must be a JSON object sent with Content-Type: application/json{how}"
+            )
         where = ".".join(loc) or "body"
         message = f"{where}: {first['msg']}" + (f" (got {first['input']!r:.80})" if "input" in first and loc else "")
         return error_response(400, message, param=where if loc else None)
@@ -386,8 +394,11 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        detail = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json.loads
+            detail = "the request body is JSON nested too deeply to parse; send a flatter body"
         return error_response(
-            exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error"
+            exc.status_code, detail, "invalid_request_error" if exc.status_code < 500 else "server_error"
         )
 
     @app.exception_handler(Exception)

@@ -5,7 +5,10 @@ long stop strings, prompts longer than any context could hold."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import requests
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from serving_helpers import post, read_sse
@@ -26,7 +29,7 @@ def without(body: dict, field: str) -> dict:
 # (what, path, JSON body or raw text, status, param the error must name (None: any), words the message must hold)
 BAD_INPUTS = [
     ("malformed JSON", CHAT, '{"model": "llama", "messages": [', 400, None, "JSON"),
-    ("a JSON list instead of an object", CHAT, "[1, 2]", 400, None, ""),
+    ("a JSON list instead of an object", CHAT, "[1, 2]", 400, None, "must be a JSON object"),
     ("no messages", CHAT, without(chat(), "messages"), 400, "messages", ""),
     ("messages of the wrong type", CHAT, chat(messages="Hi"), 400, "messages", ""),
     ("empty messages", CHAT, chat(messages=[]), 400, "messages", ""),
@@ -187,7 +190,7 @@ BAD_INPUTS = [
         '{"model": "llama", "messages": ' + "[" * 100000 + "]" * 100000 + "}",
         400,
         None,
-        "",
+        "nested too deeply",
     ),
 ]
 
@@ -229,6 +232,17 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
             f"{what}: OpenAI's code for an unknown model is 'model_not_found'; got {error}"
         )
     assert_good_request_works(tiny_server, what)
+
+
+def test_a_body_sent_without_the_json_content_type_is_told_what_to_send(tiny_server):
+    headers = {**tiny_server.headers, "Content-Type": "text/plain"}
+    answer = requests.post(tiny_server.base_url + CHAT, data=json.dumps(chat()), headers=headers, timeout=60)
+    assert answer.status_code == 400, f"expected 400, got {answer.status_code}: {answer.text[:300]}"
+    message = answer.json()["error"]["message"]
+    assert "Content-Type: application/json" in message and "text/plain" in message, (
+        f"the error should say to send Content-Type: application/json, and what was sent; got {message!r}"
+    )
+    assert_good_request_works(tiny_server, "a text/plain body")
 
 
 def test_the_openai_client_sees_the_errors(tiny_server):
