@@ -204,7 +204,7 @@ def memory_read_rate(device: torch.device | str, megabytes: int = 512, repeats: 
     ``repeats`` sums over ``megabytes``; on a CPU with torch's threads): the rate a decode's K/V
     reads cannot beat. A sum reads every byte once and writes nothing, as a decode's K/V reads do."""
     device = torch.device(device)
-    buffer = torch.ones(megabytes * 2**20 // 4, device=device)
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass faults the pages in
         synchronize(device)
@@ -212,7 +212,7 @@ def memory_read_rate(device: torch.device | str, megabytes: int = 512, repeats: 
         buffer.sum()
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best
+    return buffer.nbytes / best
 
 
 def memory_floor(model: CausalLM, batch_size: int, context_len: int, bare_seconds: float, read_rate: float) -> float:
