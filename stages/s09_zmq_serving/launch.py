@@ -263,10 +263,14 @@ def launch_server(server_args: ServerArgs) -> int:
             server.should_exit = True
 
         launcher.monitor(on_death)
+        # One write, newline included: unbuffered (PYTHONUNBUFFERED, python -u) print() writes its
+        # text and its end apart, and a child's death logged by the monitor between them would land
+        # in the middle of this line.
         print(
             f"serving {names[0]} on http://{server_args.host}:{server_args.port}/v1 "
             f"(device {scheduler['device']}, context {context} tokens, pids {pids}); Ctrl-C stops it\n"
-            + "\n".join(f"  {line}" for line in scheduler["engine"].splitlines()),
+            + "".join(f"  {line}\n" for line in scheduler["engine"].splitlines()),
+            end="",
             flush=True,
         )
         server.run()
