@@ -26,8 +26,8 @@ OFF = "ENGINE_CPU_KERNELS"  # set to "off" to build and use none of them
 INCLUDE, HEADER = Path(__file__).parent, "cpu_kernel.h"  # what every kernel includes: vectors, exp, threads
 # First choice: tuned for this CPU's vector units and threaded by OpenMP like torch itself. Without
 # OpenMP (Apple's clang, or clang without libomp) at::parallel_for runs a kernel on one thread, and
-# the vector units still pay (the decode kernel 1.25-1.36x faster built by clang 14 for AVX-512 than with -O3
-# alone); last, flags any C++17 compiler takes.
+# the vector units still pay (clang 14 built the decode kernel 1.25-1.36x faster for AVX-512 than
+# with -O3 alone); last, flags any C++17 compiler takes.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 
