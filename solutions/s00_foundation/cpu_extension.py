@@ -53,17 +53,18 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = ()) -> 
     failures = []
     with ninja_on_path():
         for flags in FLAG_SETS:
+            openmp = "-fopenmp" in flags
             try:
                 cpp_extension.load(
                     name=name,
                     sources=[str(where / source.name) for source in sources],
                     extra_cflags=[*flags, *extra_flags],
-                    extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                    extra_ldflags=["-fopenmp"] if openmp else [],
                     build_directory=str(where),
                     is_python_module=False,
                     verbose=False,
                 )
-                return True, " ".join(flags) + ("" if "-fopenmp" in flags else " (no OpenMP: one thread)")
+                return True, " ".join(flags) + ("" if openmp else " (no OpenMP: one thread)")
             except Exception as error:  # noqa: BLE001 - a build that fails for any reason falls back
                 failures.append(f"{' '.join(flags)}: {str(error).strip().splitlines()[-1][:200]}")
     return False, "the build failed (" + "; ".join(failures) + ")"
