@@ -2,12 +2,13 @@
 gathered block, through the table and as the engine runs it (on a CPU: the fused kernel), the CUDA
 graph, and the bare model forward (the ceiling), side by side.
 
-For each batch size and context length it prefills that many requests, warms up, and reports the
-median ``runner.forward`` time of a decode step on each path (s08 decode_latency.py), and the
-bare forward of the same batch (attention and KV pool taken out): "batched / bare" is what a
-decode step costs beyond the model's own matrix products. "floor" adds to the bare pass one read
-of the step's K/V at the rate this device streams memory (measured here, first): no attention
-reads less, so "batched / floor" is what is left to win. Nothing is asserted.
+For each batch size and context length it gives that many requests their context (random K/V
+written into the pool, no prefill), warms up, and reports the median ``runner.forward`` time of a
+decode step on each path (s08 decode_latency.py), and the bare forward of the same batch
+(attention and KV pool taken out): "batched / bare" is what a decode step costs beyond the
+model's own matrix products. "floor" adds to the bare pass one read of the step's K/V at the rate
+this device streams memory (measured here, first): no attention reads less, so "batched / floor"
+is what is left to win. Nothing is asserted.
 
 The model is random-weight, of a real shape built here (nothing downloaded; latency does not
 depend on the weights' values): Qwen3-0.6B's by default, SmolLM2-135M's (the default model's)

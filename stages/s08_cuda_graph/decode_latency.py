@@ -1,9 +1,10 @@
 """Measure one decode step of a batch: the milestone, the notebook, tools/benchmark_decode.py and
 tools/gpu_check.py use it.
 
-``decode_step_latency(model, batch_size, context_len, path)`` prefills ``batch_size`` requests
-of ``context_len`` random tokens, runs a few decode steps to warm up, then times
-``runner.forward`` of the next decode steps on one of four paths::
+``decode_step_latency(model, batch_size, context_len, path)`` gives ``batch_size`` requests
+``context_len`` tokens of context (``fill_context``: random K/V written straight into the pool,
+no prefill), runs a few decode steps to warm up, then times ``runner.forward`` of the next
+decode steps on one of five paths::
 
     "loop"      stage 4's runner: attention request by request (SDPA per request and layer)
     "gathered"  stage 8's runner without graphs, attending over the gathered [bs, kv_len] block:
@@ -156,16 +157,15 @@ def decode_step_latency(
         Req(i, torch.randint(vocab // 10, vocab // 2, (context_len,), generator=generator).tolist(), params)
         for i in range(batch_size)
     ]
-    for req, row in zip(reqs, runner.req_to_token_pool.alloc(batch_size)):
-        req.req_pool_idx = row
+    fill_context(runner, reqs, seed)
     times = []
-    for step in range(1 + warmup + steps):  # the prefill, the warm-up decodes, the timed decodes
+    for step in range(warmup + steps):  # the warm-up decodes, then the timed ones
         batch = prepare_forward(runner, reqs)
         synchronize(runner.device)
         start = time.perf_counter()
         logits = runner.forward(batch)
         synchronize(runner.device)
-        if step > warmup:
+        if step >= warmup:
             times.append(time.perf_counter() - start)
         for req, token in zip(reqs, logits.argmax(-1).tolist()):
             req.cached_len = req.device_len
@@ -179,6 +179,27 @@ def decode_step_latency(
         "backend": runner.attention_backend_name,
         "capture_seconds": graph.capture_seconds if graph is not None else 0.0,
     }
+
+
+def fill_context(runner: ModelRunner, reqs: list[Req], seed: int = 0) -> None:
+    """Store K/V for every request's prompt but its last token, as a prefill would, without running
+    one: a table row each, slots from the allocator (contiguous per request, as a prefill gets
+    them), random values in every layer. A decode step's time does not depend on the values it
+    reads, and on a CPU the prefill of 32 requests x 128 tokens takes as long as ~60 decode steps.
+    The next pass sends each prompt's last token: a decode."""
+    n = len(reqs[0].origin_input_ids) - 1
+    rows = runner.req_to_token_pool.alloc(len(reqs))
+    slots = runner.allocator.alloc_extend([0] * len(reqs), [n] * len(reqs), [0] * len(reqs))
+    pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    for i, (req, row) in enumerate(zip(reqs, rows)):
+        table[row, :n] = slots[i * n : (i + 1) * n]
+        req.req_pool_idx, req.cached_len = row, n
+    key = pool.get_key_buffer(0)
+    generator = torch.Generator(device=key.device).manual_seed(seed)
+    shape = (len(slots), *key.shape[1:])
+    k, v = (torch.randn(shape, generator=generator, device=key.device).to(key.dtype) for _ in "kv")
+    for layer_id in range(len(pool.k_buffer)):  # the same values in every layer: only the reads count
+        pool.set_kv_buffer(layer_id, slots, k, v)
 
 
 class BareAttention(AttentionBackend):
