@@ -193,7 +193,7 @@ notebooks: setup
 	@shopt -s nullglob; notebooks=(notebooks/*.ipynb); \
 	if [ $${#notebooks[@]} -eq 0 ]; then echo "notebooks: none yet (notebooks/*.ipynb)"; exit 0; fi; \
 	$(REFERENCE) PYTHONPATH=$(CURDIR)/tools/switch_site$${PYTHONPATH:+:$$PYTHONPATH} \
-	  $(PARALLEL) $(PY) -m pytest --nbval-lax -p no:cacheprovider "$${notebooks[@]}" $(XDIST) $(PYTEST_ARGS)
+	  $(PARALLEL) $(PY) -m pytest -p nbval --nbval-lax -p no:cacheprovider "$${notebooks[@]}" $(XDIST) $(PYTEST_ARGS)
 
 # The reference server on the default model (or --url a running one) under good, malformed, huge,
 # disconnecting and slow clients; prints leaked KV slots and each process's memory (tools/soak_serving.py).
