@@ -33,7 +33,8 @@ def write(path: Path, text: str) -> None:
 @pytest.fixture(scope="module")
 def course(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("course")
-    write(root / "pyproject.toml", '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+    # nbval off, as in the course's own settings: it would add ~2 s to each of the many pytest runs here
+    write(root / "pyproject.toml", '[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "-p no:nbval"\n')
     write(root / "solutions" / "s00_foundation" / "__init__.py", "ONE = 1\n")
     write(root / "solutions" / "s01_add" / "README.md", "# add\n")
     write(
