@@ -33,7 +33,7 @@ def walk(step, steps: int) -> float:
 def bench_llguidance(hf, vocab: int, schemas: dict) -> None:
     import llguidance
     import llguidance.hf
-    import llguidance.torch
+    import llguidance.numpy
     import torch
 
     start = time.perf_counter()
@@ -46,11 +46,11 @@ def bench_llguidance(hf, vocab: int, schemas: dict) -> None:
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
         compiled = time.perf_counter() - start
-        bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+        bitmask = torch.from_numpy(llguidance.numpy.allocate_token_bitmask(1, vocab))
 
         def step(matcher=matcher, bitmask=bitmask) -> tuple[float, bool]:
             start = time.perf_counter()
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask.numpy())
             seconds = time.perf_counter() - start
             bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
             allowed = bits.nonzero().flatten()  # any allowed token will do: the middle one

@@ -22,6 +22,7 @@ from typing import Iterable
 
 import llguidance
 import llguidance.hf
+import llguidance.numpy
 import torch
 
 from .sampling_params import GrammarKey
@@ -88,7 +89,7 @@ class Grammar:
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens of the next step into ``bitmask[row]`` (int32, 32 tokens per
         word, bit j of word w is token 32*w + j)."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask.numpy(), row)  # the tensor's own memory
 
     def rollback_to(self, num_tokens: int) -> None:
         """Undo consumed tokens until only the first ``num_tokens`` remain."""

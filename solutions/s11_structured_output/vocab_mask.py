@@ -14,11 +14,17 @@ forward (under tensor parallelism that is rank 0's job).
 
 from __future__ import annotations
 
-import llguidance.torch
 import torch
 
 from s02_request_and_sampling.req import Req
 from s10_overlap_scheduling.overlap_worker import OverlapWorker
+
+
+def allocate_token_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """A bitmask of ``rows`` rows with every token allowed: [rows, ceil(vocab / 32)] int32, -1 is
+    all 32 bits set. (llguidance.torch has the same function, but importing that module compiles a
+    kernel with torch.compile at import time: ~2 s of torch._dynamo at every server start.)"""
+    return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -46,7 +52,7 @@ class GrammarWorker(OverlapWorker):
         if not rows:  # a step of free requests only: stage 2's sampler, untouched
             return super().sample(logits, reqs)
         # BEGIN EXERCISE: fill each constrained row's bitmask, mask those logits, then sample [#the-bitmask]
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])
+        bitmask = allocate_token_bitmask(len(rows), logits.shape[-1])
         for i, row in enumerate(rows):
             reqs[row].grammar.fill_mask(bitmask, i)
         masked = logits[rows].float()  # a copy: the other rows keep their logits

@@ -106,7 +106,12 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, nn.Embedding skips its random init: the checkpoint's weights replace it
+        # anyway (loader.py builds the model on the meta device), and that init on the meta device
+        # imports torch._dynamo, ~2 s at the start of every process that builds a model.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -123,6 +123,27 @@ def test_stage_9s_servers_need_nothing_beyond_stage_9(tiny_models_root):
     assert done.stdout.split() == ["CudaGraphEngine", "[]"], done.stdout
 
 
+def test_the_served_engine_starts_without_torch_dynamo(tiny_models_root):
+    """Importing torch._dynamo costs ~2 s of every process start (a server's scheduler, a notebook's
+    kernel, each test process). Two things used to import it with nothing compiled: nn.Embedding's
+    random init on the meta device (s00 model.py now hands it its weight) and llguidance.torch,
+    which compiles a kernel at import (stage 11 uses llguidance.numpy and its own bitmask)."""
+    model = str(tiny_models_root / "llama")
+    code = (
+        "import sys\n"
+        "from s09_zmq_serving.scheduler_process import build_engine\n"
+        "from s11_structured_output.sampling_params import StructuredSamplingParams as P\n"
+        f"engine = build_engine({model!r}, dict(pool_size=256))\n"
+        "free = P(temperature=0, max_new_tokens=4, ignore_eos=True)\n"
+        "constrained = P(temperature=0, max_new_tokens=8, regex='[ab]{8}')\n"
+        "outputs = engine.generate([[1, 2, 3], [4, 5]], [free, constrained])\n"
+        "print(type(engine).__name__, len(outputs), 'torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["StructuredOutputEngine", "2", "False"], done.stdout
+
+
 @pytest.mark.parametrize("bad", [0, -5, "big", 2.5, True])
 def test_a_bad_chunked_prefill_size_is_refused_with_what_is_allowed(tiny_models_root, bad):
     from s07_chunked_prefill.engine import ChunkedPrefillEngine
