@@ -1,4 +1,5 @@
-"""The token bitmask, applied where the logits are: ``apply_token_bitmask`` and ``GrammarWorker``.
+"""The token bitmask, applied where the logits are: ``apply_token_bitmask`` and ``GrammarWorker``
+(and ``allocate_token_bitmask``, the all-allowed mask they start from).
 
 Before a constrained request samples, its grammar writes which tokens may come next into one row
 of a bitmask (int32 words, bit j of word w = token 32*w + j). The forbidden tokens' logits become
@@ -22,8 +23,8 @@ from s10_overlap_scheduling.overlap_worker import OverlapWorker
 
 def allocate_token_bitmask(rows: int, vocab: int) -> torch.Tensor:
     """A bitmask of ``rows`` rows with every token allowed: [rows, ceil(vocab / 32)] int32, -1 is
-    all 32 bits set. (llguidance.torch has the same function, but importing that module compiles a
-    kernel with torch.compile at import time: ~2 s of torch._dynamo at every server start.)"""
+    all 32 bits set. (llguidance.torch has the same function, but that module wraps a kernel in
+    torch.compile as it is imported, which imports torch._dynamo: ~2 s at every server start.)"""
     return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
 
 
