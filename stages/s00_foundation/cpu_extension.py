@@ -10,6 +10,10 @@ folder and a build of its own. Where there is no compiler, the build fails, or
 ``ENGINE_CPU_KERNELS=off`` is set, ``build`` says why and the callers keep their plain PyTorch path:
 the same results, a little slower. Used by s00 cpu_ops.py (norms, SiLU, RoPE) and s08
 decode_kernel.py (attention).
+
+One process at a time builds or loads in a folder, under a lock the operating system drops when its
+holder dies: ``cpp_extension``'s own lock is a file it deletes when it is done, so a process killed
+in between (a server stopped while it starts) would leave every later one waiting for it forever.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -51,7 +56,7 @@ def build(name: str, sources: list[Path], extra_flags: tuple[str, ...] = ()) -> 
         return False, "no C++ compiler (install g++ or clang, or set CXX)"
     where = build_folder(name, [*sources, INCLUDE / HEADER])
     failures = []
-    with ninja_on_path():
+    with ninja_on_path(), alone_in(where, name):
         for flags in FLAG_SETS:
             openmp = "-fopenmp" in flags
             try:
@@ -88,6 +93,33 @@ def build_folder(name: str, files: list[Path]) -> Path:
             shutil.copyfile(f, partial)
             os.replace(partial, target)
     return where
+
+
+@contextlib.contextmanager
+def alone_in(where: Path, name: str, note_after_s: float = 5.0) -> Iterator[None]:
+    """Be the only process building or loading in ``where``, under an ``flock``: the operating
+    system releases it when its holder exits, however it exits. While it is held no other process
+    is inside ``cpp_extension`` here, so the file cpp_extension locks with (``where/lock``, deleted
+    when its build finishes) can only be one left by a process that was killed mid-build: it is
+    removed, where cpp_extension would wait for it to go away forever."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: cpp_extension's own lock file only
+        yield
+        return
+    with open(where / "flock", "w") as handle:
+        started, said = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # another process is building (a first build takes seconds)
+                if not said and time.monotonic() - started > note_after_s:
+                    print(f"[{name}] waiting for another process building it in {where}", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.05)
+        (where / "lock").unlink(missing_ok=True)
+        yield  # the flock goes with the file's closing
 
 
 @contextlib.contextmanager
