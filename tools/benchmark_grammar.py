@@ -46,13 +46,13 @@ def bench_llguidance(hf, vocab: int, schemas: dict) -> None:
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
         compiled = time.perf_counter() - start
-        bitmask = torch.from_numpy(llguidance.numpy.allocate_token_bitmask(1, vocab))
+        bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab)
 
         def step(matcher=matcher, bitmask=bitmask) -> tuple[float, bool]:
             start = time.perf_counter()
-            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask.numpy())
+            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask)
             seconds = time.perf_counter() - start
-            bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+            bits = ((torch.from_numpy(bitmask)[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
             allowed = bits.nonzero().flatten()  # any allowed token will do: the middle one
             start = time.perf_counter()
             more = not matcher.is_stopped() and matcher.consume_token(int(allowed[len(allowed) // 2]))

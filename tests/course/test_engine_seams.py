@@ -127,7 +127,8 @@ def test_the_served_engine_starts_without_torch_dynamo(tiny_models_root):
     """Importing torch._dynamo costs ~2 s of every process start (a server's scheduler, a notebook's
     kernel, each test process). Two things used to import it with nothing compiled: nn.Embedding's
     random init on the meta device (s00 model.py now hands it its weight) and llguidance.torch,
-    which compiles a kernel at import (stage 11 uses llguidance.numpy and its own bitmask)."""
+    which wraps a kernel in torch.compile as it is imported (stage 11 uses llguidance.numpy and its
+    own bitmask)."""
     model = str(tiny_models_root / "llama")
     code = (
         "import sys\n"
