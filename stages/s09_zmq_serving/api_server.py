@@ -31,6 +31,7 @@ import asyncio
 import json
 import re
 import secrets
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -387,8 +388,14 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         detail = str(exc.detail)
-        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", from json.loads
+        # FastAPI's "There was an error parsing the body" hides why json.loads gave up; say it
+        if isinstance(exc.__cause__, RecursionError):
             detail = "the request body is JSON nested too deeply to parse; send a flatter body"
+        elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
+            detail = (
+                f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                "which the JSON parser refuses; no field of this API takes one"
+            )
         return error_response(
             exc.status_code, detail, "invalid_request_error" if exc.status_code < 500 else "server_error"
         )

@@ -182,7 +182,7 @@ BAD_INPUTS = [
         '{"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "seed": ' + "9" * 5000 + "}",
         400,
         None,
-        "",
+        "more than 4300 digits",
     ),
     (
         "JSON nested 100000 deep",
