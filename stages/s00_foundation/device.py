@@ -14,6 +14,7 @@ So the engine sets the count deliberately (``set_torch_threads``) and says it (`
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 from typing import Sequence
 
@@ -41,6 +42,20 @@ def physical_cores() -> int:
         except OSError:  # no sysfs (macOS, some containers): count logical CPUs instead
             cores.add(("", str(cpu)))
     return max(1, len(cores))
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor id as the CPU reports it ("GenuineIntel", "AuthenticAMD", ...), or "" where
+    it cannot be read (macOS, a CPU that is not x86). Libraries choose kernels by it (s00 linear.py)."""
+    try:
+        with cpuinfo.open(encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # no /proc (macOS, Windows)
+        pass
+    processor = platform.processor()  # Windows names the vendor here: "AMD64 Family 25 ..., AuthenticAMD"
+    return next((word for word in processor.replace(",", " ").split() if word.endswith(("Intel", "AMD"))), "")
 
 
 def default_torch_threads() -> int:

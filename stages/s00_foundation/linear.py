@@ -7,12 +7,18 @@ CPU library, the one vLLM's CPU build uses for the same purpose) can take a weig
 reordered into its blocked layout once, ahead of time ("prepacked"). A decode step multiplies a
 few rows by every weight of the model, so the per-call layout work is a large share of it.
 
-Measured on this course's CPU (SmolLM2-135M's shape, float32, one bare model pass, 1 torch
-thread): 4 rows 91 -> 60 ms, 8 rows 119 -> 71, 16 rows 110 -> 85, 32 rows 133 -> 111, 64 rows
-176 -> 160, 128 rows 275 -> 250; with 2 threads 6-18% less. For one to three rows the plain call
-is faster (a single row: 52 ms against 60), so those keep it: every weight is kept as it is (the
-checkpoint's tensor, which the embedding, stage 12's sharding and the plain call read) and the
-reordered copy comes on top (the model's weights twice in memory on a CPU).
+Measured on an Intel Xeon (SmolLM2-135M's shape, float32, one bare model pass, 1 torch thread):
+4 rows 91 -> 60 ms, 8 rows 119 -> 71, 16 rows 110 -> 85, 32 rows 133 -> 111, 64 rows 176 -> 160,
+128 rows 275 -> 250; with 2 threads 6-18% less. There, for one to three rows the plain call is
+faster (a single row: 52 ms against 60), so those keep it. MKL picks its kernels by the CPU's
+vendor, and on an AMD EPYC (Zen 4) its products of one to three rows are slow: they read the
+model's weights at 4-10 GB/s, oneDNN's at 10-19 (1 and 2 threads). There a decode step
+(``runner.forward``, 2 threads) of 1, 2 and 3 requests took 67, 116 and 141 ms with F.linear and
+41, 51 and 39 ms with oneDNN, and a served stream's inter-token latency went from 63-73 ms to
+39-41 ms (three streams at once: 144-153 -> 39-43 ms). So on any CPU but an Intel one every
+product is prepacked (``min_prepacked_rows``). Every weight is kept as it is (the checkpoint's tensor, which the
+embedding, stage 12's sharding and the plain call read) and the reordered copy comes on top (the
+model's weights twice in memory on a CPU).
 
 The copy is made at the first product that needs it and made again whenever the weight changes
 (another tensor, or the same one written in place): a test that edits a weight, or a model moved
@@ -34,8 +40,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIN_PREPACKED_ROWS = 4  # fewer rows: the plain call is faster (see above)
+from .device import cpu_vendor
+
 PACKED_FOR_ROWS = 128  # the batch size oneDNN picks its blocked layout for
+
+
+def min_prepacked_rows(vendor: str) -> int:
+    """The fewest rows a product takes oneDNN's prepacked path for, on a CPU of ``vendor`` (as
+    ``cpu_vendor()`` reads it): below 4 rows MKL is faster on an Intel CPU (or one whose vendor
+    is unknown), and slower at every size on others (see above)."""
+    return 4 if vendor in ("GenuineIntel", "") else 1
 
 
 def prepacking_available() -> bool:
@@ -48,12 +62,15 @@ def prepacking_available() -> bool:
 
 
 PREPACKING = prepacking_available()  # a fact about this machine and this build of torch, checked once
+MIN_PREPACKED_ROWS = min_prepacked_rows(cpu_vendor())  # fewer rows: the plain call (see above)
 _linear_pointwise = torch.ops.mkldnn._linear_pointwise if PREPACKING else None  # looked up once, not per call
 
 
 def linear_kind(device: torch.device) -> str:
     """How this model's matrix products run on ``device`` (for an engine's describe())."""
     if device.type == "cpu" and PREPACKING:
+        if MIN_PREPACKED_ROWS == 1:
+            return "oneDNN with prepacked weights (MKL's F.linear is slower on this CPU at every size)"
         return f"oneDNN with prepacked weights from {MIN_PREPACKED_ROWS} rows, F.linear below"
     return "F.linear"
 

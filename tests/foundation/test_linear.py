@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from s00_foundation import device as device_module
 from s00_foundation import linear as linear_module
+from s00_foundation.device import cpu_vendor
 from s00_foundation.linear import MIN_PREPACKED_ROWS, Linear, PackedWeight, linear_group
 
 needs_onednn = pytest.mark.skipif(
@@ -43,10 +45,35 @@ def test_equals_f_linear(rows, bias):
 def test_takes_the_prepacked_path_from_min_rows():
     lin = layer(bias=True)
     with torch.inference_mode():
-        lin(torch.randn(MIN_PREPACKED_ROWS - 1, 96))
-        assert lin.packed.packed is None, "a product below MIN_PREPACKED_ROWS made a prepacked copy"
+        if MIN_PREPACKED_ROWS > 1:
+            lin(torch.randn(MIN_PREPACKED_ROWS - 1, 96))
+            assert lin.packed.packed is None, "a product below MIN_PREPACKED_ROWS made a prepacked copy"
         lin(torch.randn(MIN_PREPACKED_ROWS, 96))
     assert lin.packed.packed is not None, "no prepacked copy after a product of MIN_PREPACKED_ROWS rows"
+
+
+def test_prepacks_from_one_row_where_mkl_is_not_intel_tuned():
+    # MKL (F.linear) chooses its kernels by vendor: on an Intel CPU it is faster below 4 rows, on an
+    # AMD one slower at every size; a vendor that could not be read keeps the Intel choice
+    assert linear_module.min_prepacked_rows("GenuineIntel") == 4
+    assert linear_module.min_prepacked_rows("") == 4
+    assert linear_module.min_prepacked_rows("AuthenticAMD") == 1
+    assert linear_module.MIN_PREPACKED_ROWS == linear_module.min_prepacked_rows(cpu_vendor())
+
+
+def test_cpu_vendor_reads_proc_cpuinfo_or_the_platform(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
+    # where there is no /proc/cpuinfo, Windows names the vendor in platform.processor()
+    missing = tmp_path / "none"
+    for processor, vendor in [
+        ("AMD64 Family 25 Model 17 Stepping 1, AuthenticAMD", "AuthenticAMD"),
+        ("Intel64 Family 6 Model 85 Stepping 7, GenuineIntel", "GenuineIntel"),
+        ("arm", ""),
+    ]:
+        monkeypatch.setattr(device_module.platform, "processor", lambda processor=processor: processor)
+        assert cpu_vendor(missing) == vendor, f"platform.processor() {processor!r}"
 
 
 def test_a_changed_weight_is_never_read_stale():
