@@ -46,6 +46,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, bias=bias)
         self.gate_up_packed = PackedWeight()  # gate and up as one product (linear.py: linear_group)
 
+    def packed_products(self) -> list[tuple[PackedWeight, tuple[torch.Tensor, ...]]]:
+        """The prepacked copies forward() multiplies by, and their weights (linear.py: prepack)."""
+        return [
+            (self.gate_up_packed, (self.gate_proj.weight, self.up_proj.weight)),
+            (self.down_proj.packed, (self.down_proj.weight,)),
+        ]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear_group(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
         if cpu_ops.applies(gate):  # a CPU pass: silu(gate) * up in one loop (cpu_ops.py)
@@ -70,6 +77,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+
+    def packed_products(self) -> list[tuple[PackedWeight, tuple[torch.Tensor, ...]]]:
+        """The prepacked copies forward() multiplies by, and their weights (linear.py: prepack)."""
+        return [
+            (self.qkv_packed, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
+            (self.o_proj.packed, (self.o_proj.weight,)),
+        ]
 
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -164,6 +178,12 @@ class CausalLM(DecoderLM):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tied_logits_packed = PackedWeight()  # the embedding matrix, prepacked as an output projection
         self.rotary = RotaryEmbedding(config)
+
+    def packed_products(self) -> list[tuple[PackedWeight, tuple[torch.Tensor, ...]]]:
+        """The output projection's prepacked copy and its weight (linear.py: prepack)."""
+        if self.lm_head is not None:
+            return [(self.lm_head.packed, (self.lm_head.weight,))]
+        return [(self.tied_logits_packed, (self.model.embed_tokens.weight,))]
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -19,6 +19,7 @@ from collections import Counter
 import torch
 
 from s00_foundation.forward_batch import ForwardBatch
+from s00_foundation.linear import prepack
 from s00_foundation.model import CausalLM
 from s04_paged_kv_pool.flash_backend import FlashAttentionBackend
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -63,7 +64,11 @@ class GraphModelRunner(ModelRunner):
         )
         self.attn_backend = backend(self.req_to_token_pool, self.token_to_kv_pool)
         if enable_torch_compile:
-            compile_model(model)
+            compile_model(model)  # Inductor lays out the weights of what it compiles itself
+        else:
+            # The CPU's start-up work, as capturing the graphs is the GPU's: the products' prepacked
+            # weights are made now, not in the first request's pass (s00 linear.py)
+            prepack(model)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if disable_cuda_graph:
             return

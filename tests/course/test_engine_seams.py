@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from reference import engine_model, engine_tokenizer
+from s00_foundation import linear as linear_module
+from s00_foundation.loader import load_model
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.engine import ContinuousBatchingEngine, EngineConfig
 from s05_continuous_batching.prefix_cache import NoPrefixCache
@@ -19,6 +21,7 @@ from s05_continuous_batching.scheduler import Scheduler
 from s06_radix_cache.engine import RadixEngine, RadixEngineConfig
 from s06_radix_cache.radix_cache import RadixCache
 from s06_radix_cache.scheduler import RadixScheduler
+from s08_cuda_graph.engine import CudaGraphEngine
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
@@ -152,3 +155,23 @@ def test_a_bad_chunked_prefill_size_is_refused_with_what_is_allowed(tiny_models_
     path = str(tiny_models_root / "llama")
     with pytest.raises(ValueError, match=r"chunked_prefill_size must be a positive number of tokens.*auto"):
         ChunkedPrefillEngine(engine_model(path), engine_tokenizer(path), pool_size=256, chunked_prefill_size=bad)
+
+
+@pytest.mark.skipif(not linear_module.PREPACKING, reason="no oneDNN x86 kernels here: no product is prepacked")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # tied and untied output projections
+def test_stage8_prepacks_every_product_at_start_and_requests_make_no_copy(tiny_models_root, family):
+    # The first request must not wait for the reordered weights (s00 linear.py, s08 model_runner.py):
+    # every copy a pass reads exists once the engine is built, and the passes reuse exactly those.
+    path = str(tiny_models_root / family)
+    model = load_model(path)
+    engine = CudaGraphEngine(model, engine_tokenizer(path), pool_size=256, max_running_requests=8)
+    copies = [packed for module in model.modules() for packed, _ in getattr(module, "packed_products", list)()]
+    assert len(copies) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate/up, down a layer; the logits
+    made = [packed.packed for packed in copies]
+    assert all(tensor is not None for tensor in made), "a product's copy was not made when the engine started"
+    # as many prompts as a product needs rows to take the prepacked path, in the prefill and the decodes
+    prompts = [[65 + i, 66, 67, 68, 69] for i in range(linear_module.MIN_PREPACKED_ROWS)]
+    engine.generate(prompts, GREEDY)
+    assert all(packed.packed is tensor for packed, tensor in zip(copies, made)), (
+        "a request's pass made a prepacked copy again: prepack() lists other weights than forward() multiplies"
+    )
