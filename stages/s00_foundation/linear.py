@@ -16,19 +16,18 @@ model's weights at 4-10 GB/s, oneDNN's at 10-19 (1 and 2 threads). There a decod
 (``runner.forward``, 2 threads) of 1, 2 and 3 requests took 67, 116 and 141 ms with F.linear and
 41, 51 and 39 ms with oneDNN, and a served stream's inter-token latency went from 63-73 ms to
 39-41 ms (three streams at once: 144-153 -> 39-43 ms). So on any CPU but an Intel one every
-product is prepacked (``min_prepacked_rows``). Every weight is kept as it is (the checkpoint's tensor, which the
-embedding, stage 12's sharding and the plain call read) and the reordered copy comes on top (the
-model's weights twice in memory on a CPU).
+product is prepacked (``min_prepacked_rows``). Every weight is kept as it is (the checkpoint's
+tensor, which the embedding, stage 12's sharding and the plain call read) and the reordered copy
+comes on top (the model's weights twice in memory on a CPU).
 
-The copy is made at the first product that needs it and made again whenever the weight changes
-(another tensor, or the same one written in place): a test that edits a weight, or a model moved
-to another dtype, never reads a stale copy. The results agree with ``F.linear`` to rounding
-(another order of the same additions), which the tests against ``transformers`` cover.
-Elsewhere (a GPU, a CPU without oneDNN's x86 kernels) ``linear`` is ``F.linear``.
-
-The copies are made at the first product that needs them, or all at once by ``prepack(model)``,
-which an engine calls when it starts (s08 model_runner.py): otherwise the first request a server
-takes waits for them (SmolLM2-135M: 0.5 s of reordering, 0.15 s of stacking).
+The copy is made at the first product that needs it, or with all the others by
+``prepack(model)``, which stage 8's runner calls when an engine starts (otherwise a server's first
+request waits for them: SmolLM2-135M, 0.5 s of reordering and 0.15 s of stacking). It is made
+again whenever the weight changes (another tensor, or the same one written in place): a test that
+edits a weight, or a model moved to another dtype, never reads a stale copy. The results agree
+with ``F.linear`` to rounding (another order of the same additions), which the tests against
+``transformers`` cover. Elsewhere (a GPU, a CPU without oneDNN's x86 kernels) ``linear`` is
+``F.linear``.
 
 Products that read the same input (an attention layer's q, k and v; an MLP's gate and up) run as
 one (``linear_group``): their weights stacked in one prepacked copy, the result split back. One
