@@ -76,11 +76,17 @@ def check_cuda(torch) -> bool:
     return report("--", "CUDA: not available, CPU only (every stage runs; stage 8's CUDA graphs need a GPU)")
 
 
+def solutions_importable() -> None:
+    """The reference packages (s00_foundation, ...) on the import path, once."""
+    if str(REPO / "solutions") not in sys.path:
+        sys.path.insert(0, str(REPO / "solutions"))
+
+
 def check_threads(torch) -> bool:
     """torch's CPU threads and what the engine will use (s00 device.py)."""
     if torch is None:
         return True
-    sys.path.insert(0, str(REPO / "solutions"))
+    solutions_importable()
     from s00_foundation.device import default_torch_threads, physical_cores
 
     return report(
@@ -88,6 +94,20 @@ def check_threads(torch) -> bool:
         f"CPU: {physical_cores()} physical core(s); torch uses {torch.get_num_threads()} thread(s) now, "
         f"the engine {default_torch_threads()} (OMP_NUM_THREADS if set, else one per physical core; "
         "fewer on a busy machine: --torch-threads)",
+    )
+
+
+def check_products(torch) -> bool:
+    """How the model's matrix products run on this CPU: the library and from how many rows depend
+    on the CPU's vendor (s00 linear.py)."""
+    if torch is None:
+        return True
+    solutions_importable()
+    from s00_foundation.device import cpu_vendor
+    from s00_foundation.linear import linear_kind
+
+    return report(
+        "--", f"matrix products on this CPU ({cpu_vendor() or 'vendor unknown'}): {linear_kind(torch.device('cpu'))}"
     )
 
 
@@ -152,6 +172,7 @@ def main() -> int:
     ok &= torch_ok
     ok &= check_cuda(torch)
     ok &= check_threads(torch)
+    ok &= check_products(torch)
     ok &= check_flash_attn()
     ok &= check_compiler()
     ok &= check_model()
