@@ -149,11 +149,12 @@ def prepack(model: nn.Module) -> int:
     """Make now every prepacked copy the model's CPU products will read (each block that has some
     lists them: ``packed_products()``), instead of in the first pass that needs each. Returns how
     many copies it made; none where oneDNN's prepacked path does not run (a GPU, no oneDNN)."""
+    if not PREPACKING:
+        return 0
     made = 0
     for module in model.modules():
-        packed_products = getattr(module, "packed_products", None)
-        for packed, weights in packed_products() if packed_products is not None else []:
-            if PREPACKING and weights[0].is_cpu:
+        for packed, weights in getattr(module, "packed_products", list)():
+            if weights[0].is_cpu:
                 packed.of(*weights)
                 made += 1
     return made
