@@ -39,6 +39,7 @@ ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_s
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -247,7 +248,11 @@ def hf_batched(hf_model, workload: Workload, pad_id: int, deadline: float, progr
         max_new_tokens=max(workload.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=pad_id
     )
     page = 256
-    cache = ContinuousBatchingConfig(page_size=page, num_blocks=CPU_POOL_BYTES // (page * kv_bytes_per_token(hf_model)))
+    blocks = CPU_POOL_BYTES // (page * kv_bytes_per_token(hf_model))
+    # The page's size was `block_size` up to transformers 5.17 (what a CUDA image may hold), then
+    # `page_size`; a keyword the installed release lacks is a TypeError.
+    size = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cache = ContinuousBatchingConfig(**{size: page}, num_blocks=blocks)
     results: dict[str, Any] = {}
     with hf_model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=cache, persistent_manager=True
