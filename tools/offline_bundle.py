@@ -60,8 +60,12 @@ GPU_RUN_PACKAGES = (
     "requests",
     "pytest",
 )
-# Installed without its dependencies, as `make setup` does (they would pull a native build).
+# Installed without their dependencies: the model's package as `make setup` does (they would pull a
+# native build), and accelerate, which transformers needs to read a GGUF file: an image with
+# transformers has accelerate's own needs (torch, numpy, psutil, huggingface_hub, safetensors), and
+# resolving them here would download a CUDA torch of several GB.
 MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
+GPU_RUN_PACKAGES_NO_DEPS = ("accelerate",)
 MANIFEST = "manifest.json"
 DEFAULT_STASH = Path(tempfile.gettempdir()) / "offline-bundle"
 TARGET_SITE = "site"  # STASH/site: where pip --target puts everything when the Python refuses installs
@@ -173,16 +177,17 @@ def pack(args) -> int:
     out = args.out.resolve()
     args.skip = {canonicalize_name(name) for name in args.skip}
     requirements = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES]
+    no_deps = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES_NO_DEPS] + [MODEL_PACKAGE]
     with tempfile.TemporaryDirectory() as tmp:
         wheels = Path(tmp)
         download(requirements, wheels, args, no_deps=False)
-        download([MODEL_PACKAGE], wheels, args, no_deps=True)
+        download(no_deps, wheels, args, no_deps=True)
         skipped = [w for w in wheels.glob("*.whl") if parse_wheel_filename(w.name)[0] in args.skip]
         for wheel in skipped:
             wheel.unlink()
         # small files first and the big model wheel last, so only the model is ever split
         files = sorted(wheels.glob("*.whl"), key=lambda p: (p.stat().st_size, p.name))
-        manifest = write_loads(files, out, int(args.max_load_mb * 1e6), requirements, [MODEL_PACKAGE])
+        manifest = write_loads(files, out, int(args.max_load_mb * 1e6), requirements, no_deps)
     total = sum(f["size"] for f in manifest["files"].values())
     print(
         f"[ok] {len(files)} wheels, {total / 1e6:.1f} MB, in {manifest['loads']} load(s) of at most "
