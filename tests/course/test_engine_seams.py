@@ -131,7 +131,14 @@ def test_the_served_engine_starts_without_torch_dynamo(tiny_models_root):
     kernel, each test process). Two things used to import it with nothing compiled: nn.Embedding's
     random init on the meta device (s00 model.py now hands it its weight) and llguidance.torch,
     which wraps a kernel in torch.compile as it is imported (stage 11 uses llguidance.numpy and its
-    own bitmask)."""
+    own bitmask). Some releases of transformers import it themselves with AutoTokenizer (5.17 does,
+    through its auto classes' docstrings); there the engine cannot avoid it, and the test says so."""
+    probe = "import sys; from transformers import AutoTokenizer; print('torch._dynamo' in sys.modules)"
+    by_transformers = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    if by_transformers.stdout.split() == ["True"]:
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} imports torch._dynamo itself with AutoTokenizer")
     model = str(tiny_models_root / "llama")
     code = (
         "import sys\n"
