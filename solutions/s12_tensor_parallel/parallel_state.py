@@ -12,7 +12,8 @@ Two process groups join the same ranks:
   within that time instead of hanging.
 - the **control group** (always gloo, on the host) carries rank 0's messages: each step's batch,
   the runner's shape at start, the order to stop. A rank that waits here may wait as long as the
-  server is idle, so this group's timeout is a day, not seconds.
+  server is idle, so this group's timeout is a day, not seconds. The start's barrier (every rank
+  has built its runner) runs here too, bounded by ``START_TIMEOUT``.
 
 Every rank joins with ``torch.distributed``'s env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE), so the same code runs under ``torchrun`` across machines.
@@ -33,6 +34,10 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0  # a forward's collective waits at most this long for a silent rank
 CONTROL_TIMEOUT = timedelta(days=1)  # a follower waits for the next batch as long as the server idles
+# Rank 0 waits this long at start for the others to build their runners: loading a shard, and on a
+# CPU compiling the fused kernel on first use, can take minutes on a busy machine (a rank that dies
+# meanwhile still fails the wait at once: its connection closes).
+START_TIMEOUT = timedelta(minutes=10)
 
 
 class TPGroupError(RuntimeError):
@@ -82,10 +87,11 @@ class TPGroup:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def barrier(self) -> None:
-        """Wait until every rank is here (bounded by the device group's timeout)."""
+        """Wait until every rank is here: the start's barrier, once each rank has built its runner
+        (on the control group, bounded by START_TIMEOUT rather than a forward's short timeout)."""
         if self.size > 1:
             with self.failing_clearly("barrier"):
-                dist.barrier(group=self.device_group)
+                dist.barrier(group=self.control_group, timeout=START_TIMEOUT)
 
     @contextmanager
     def failing_clearly(self, what: str) -> Iterator[None]:
