@@ -5,9 +5,9 @@ into the GPU machine's Python (README: "On a GPU"). Each part runs as ``python t
 PART OUT RESULT`` under its own timeout and writes what it made into OUT:
 
     default-model      tools/setup_model.py: the GGUF of the bundle -> models/SmolLM2-135M-Instruct
-    gpu-tests          pytest tests/gpu (a missing GPU fails) -> gpu_tests.xml, output in log.txt
     notebook-08        notebook 08 executed in place (its figures are this GPU's) -> 08_cuda_graph.ipynb
     benchmark-offline  stage 8 vs transformers on workload (a), --quick -> benchmark_offline.json
+    gpu-tests          pytest tests/gpu (a missing GPU fails) -> gpu_tests.xml, output in log.txt
 
 With everything gpu_check.py writes, OUT holds 7 files: what a GPU machine's output folder
 brings back (at most 8, no subfolders).
