@@ -134,7 +134,8 @@ def environment_lines(env: dict) -> list[str]:
         f"{env['cudnn']}",
         f"transformers {env['transformers']}   flash-attn {env['flash_attn'] or 'not installed'}",
         f"offline bundle for this machine (Python {'.'.join(env['python'].split('.')[:2])}, "
-        f"{len(env['packages'])} packages): python tools/offline_bundle.py pack --target-env results.json",
+        f"{len(env['packages'])} packages): python tools/offline_bundle.py pack --only packages "
+        "--target-env results.json",
     ]
 
 

