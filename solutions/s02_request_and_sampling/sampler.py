@@ -51,6 +51,9 @@ def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top_p = top_p.to(probs.device, probs.dtype)[:, None]
     # top_p == 1 means "off": keep everything, even where rounding makes the sum exceed 1.
     keep_sorted = (mass_before < top_p) | (top_p >= 1)
+    # The likeliest token always stays, even for a top_p too small for float32 (1e-320 becomes
+    # 0.0, and then "mass_before < top_p" keeps nothing, and the draw would fall past the vocabulary).
+    keep_sorted[:, 0] = True
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     # END EXERCISE
 

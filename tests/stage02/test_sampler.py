@@ -180,6 +180,20 @@ def test_sampled_frequencies_follow_the_filtered_softmax():
     )
 
 
+def test_extreme_but_valid_values_still_draw_a_real_token():
+    # Each value is accepted by SamplingParams; the sampler's float32 arithmetic must not turn it
+    # into "keep nothing" (a draw past the vocabulary: a token id the model cannot embed).
+    logits = FILTER_LOGITS[SHUFFLE]
+    best = int(logits.argmax())
+    for kwargs in (dict(top_p=1e-320), dict(top_p=5e-324, min_p=1.0), dict(temperature=1e-3, top_p=1e-45)):
+        params = [SamplingParams(**{"temperature": 1.0, **kwargs}, seed=seed) for seed in range(8)]
+        tokens = sample_tokens(logits.expand(8, -1).clone(), make_reqs(params))
+        assert tokens == [best] * 8, (
+            f"{params[0]} should always draw the most likely token {best} of {len(logits)} (the only one such a "
+            f"filter keeps), your sampler drew {tokens}"
+        )
+
+
 # --- seeds ------------------------------------------------------------------------------------
 
 

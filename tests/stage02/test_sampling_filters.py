@@ -87,6 +87,17 @@ def test_top_p_always_keeps_the_most_likely_token():
     )
 
 
+def test_top_p_keeps_the_most_likely_token_when_p_underflows_float32():
+    # top_p=1e-320 is a valid value (> 0), but the sampler's float32 tensor holds it as 0.0: a mask
+    # that keeps nothing would let the draw fall past the vocabulary (a token id that does not exist).
+    peaked = torch.tensor([[0.01, 0.97, 0.01, 0.01]])
+    got = torch.nonzero(top_p_mask(peaked, torch.tensor([1e-320]))[0]).flatten().tolist()
+    assert got == [1], (
+        f"top_p=1e-320 (0.0 in float32) on {peaked[0].tolist()} should still keep the most likely token [1], "
+        f"your mask kept {got}"
+    )
+
+
 def test_top_p_uses_each_rows_own_p():
     got = kept(top_p_mask(probs(), torch.tensor([0.9, 0.5])), "top_p_mask", 2)
     check("top_p_mask", got, [{3, 1, 4, 2}, in_row1({3, 1})], ["top_p=0.9", "top_p=0.5"])
