@@ -10,13 +10,15 @@ it and not xgrammar or outlines-core). It gives us three things, and the engine 
 
 Compiling takes from a millisecond to, for a hostile schema, seconds, so it never runs on the
 scheduler's thread: ``get`` returns a Future from a thread pool, and a cache keyed by
-(kind, text) means each distinct schema compiles once. A request gets its own matcher by copying
-the compiled one (``deep_copy``: cheap), because every request is at its own place in the grammar.
+(kind, text) means each distinct schema compiles once (a bounded cache: ``GrammarCache``). A
+request gets its own matcher by copying the compiled one (``deep_copy``: cheap), because every
+request is at its own place in the grammar.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
@@ -33,6 +35,10 @@ COMPILE_THREADS = 2  # grammars compiled at once (llguidance drops the GIL while
 PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000)
 # The JSON the model may write: compact (no free whitespace), so a model cannot pad forever
 JSON_OPTIONS = {"whitespace_flexible": False}
+# How much the cache of compiled grammars keeps (GrammarCache). A compiled grammar measured ~48 KB
+# plus ~35 bytes per character of its text (SmolLM2's 49k vocabulary), so at most ~12 + 35 MB.
+CACHE_MAX_GRAMMARS = 256
+CACHE_MAX_CHARS = 1_000_000
 
 
 class GrammarError(ValueError):
@@ -106,6 +112,41 @@ class Grammar:
         return self.matcher.is_stopped()
 
 
+class GrammarCache:
+    """The compiled grammars (Futures) by key, bounded: at most ``max_grammars`` of them and
+    ``max_chars`` characters of grammar text, the least recently used going first. Unbounded, a
+    client that sends ever new schemas would grow the process until it runs out of memory. A
+    request that already holds an evicted grammar's Future keeps it; the cache only forgets it."""
+
+    def __init__(self, max_grammars: int = CACHE_MAX_GRAMMARS, max_chars: int = CACHE_MAX_CHARS):
+        self.max_grammars, self.max_chars = max_grammars, max_chars
+        self.entries: OrderedDict[GrammarKey, Future] = OrderedDict()  # least recently used first
+        self.chars = 0  # grammar text held, the measure of what the compiled grammars take
+
+    def get(self, key: GrammarKey) -> Future | None:
+        future = self.entries.get(key)
+        if future is not None:
+            self.entries.move_to_end(key)  # just used: evicted last
+        return future
+
+    def __setitem__(self, key: GrammarKey, future: Future) -> None:
+        if key in self.entries:  # replaced: its text is counted again below
+            del self.entries[key]
+            self.chars -= len(key[1])
+        self.entries[key] = future
+        self.chars += len(key[1])
+        # The newest entry stays even when it alone is over max_chars: the request is compiling it.
+        while len(self.entries) > 1 and (len(self.entries) > self.max_grammars or self.chars > self.max_chars):
+            evicted, _ = self.entries.popitem(last=False)
+            self.chars -= len(evicted[1])
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+
 class GrammarBackend:
     """Compiles grammars for one model's vocabulary on a thread pool, each distinct one once."""
 
@@ -117,7 +158,7 @@ class GrammarBackend:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
-        self.cache: dict[GrammarKey, Future] = {}
+        self.cache = GrammarCache()  # each distinct grammar compiled once, while it stays cached
         self.lock = threading.Lock()  # get() may be called from several threads (a server's)
         self.compilations = 0  # how many grammars were compiled: each distinct key once
 
@@ -134,7 +175,8 @@ class GrammarBackend:
 
     def get(self, key: GrammarKey) -> Future:
         """A Future of ``key``'s compiled matcher: the cached one, or a compilation started now on
-        the pool. Never blocks. A failed compilation stays cached too (the same schema fails the same way)."""
+        the pool. Never blocks. A failed compilation stays cached too (the same schema fails the same way).
+        The cache is bounded (GrammarCache): a grammar it has forgotten is compiled again."""
         # BEGIN EXERCISE: one compilation per key, off the caller's thread [#compiling-in-the-background]
         with self.lock:
             future = self.cache.get(key)
