@@ -41,6 +41,9 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a mode
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longer lists
 MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
 MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
+# An error message longer than this is cut: a 2 MB regex once came back as an 8 MB error, quoted
+# four times by the grammar library
+MAX_ERROR_CHARS = 2000
 
 
 class InvalidRequest(ValueError):
@@ -67,6 +70,8 @@ class InvalidRequest(ValueError):
 def error_body(
     message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict:
+    if len(message) > MAX_ERROR_CHARS:  # a library's message may quote a huge input several times over
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS} more characters cut)"
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

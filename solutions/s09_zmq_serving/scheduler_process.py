@@ -248,8 +248,10 @@ class SchedulerProcess:
             if out.finish_reason is not None:
                 del self.reqs[out.rid]
                 if out.finish_reason.type == "abort" and req.grammar_error is not None:
-                    # stage 11: its grammar did not compile, or the grammar library gave up on it
-                    self.send_to_detokenizer.send_pyobj(ErrorOut(out.rid, req.grammar_error, 400))
+                    # stage 11: its grammar did not compile, or the grammar library gave up on it;
+                    # the error names the field the grammar came in (a JSON schema: response_format)
+                    param = "regex" if getattr(req.sampling_params, "regex", None) is not None else "response_format"
+                    self.send_to_detokenizer.send_pyobj(ErrorOut(out.rid, req.grammar_error, 400, param))
                     continue
             batch.rids.append(out.rid)
             batch.new_token_ids.append(list(out.new_token_ids))

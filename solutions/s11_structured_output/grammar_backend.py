@@ -45,6 +45,20 @@ class GrammarError(ValueError):
     """A schema or regex that does not compile; the message says what is wrong."""
 
 
+def library_reason(error: str) -> str:
+    """llguidance's reason (its first line) in a client's words: its advice to raise one of its
+    limits is for whoever runs the server, and "NoExtensionBias" says only that no token may come."""
+    reason = error.split("\n")[0]
+    if "NoExtensionBias" in reason:
+        return (
+            "no token can come next: the grammar matches no text the model can write "
+            "(is it empty, or endlessly self-referential?)"
+        )
+    if "limits." in reason or "too many" in reason:
+        return f"{reason.split(';')[0]}: the grammar is too large or complex for this server's limits; simplify it"
+    return reason
+
+
 def grammar_text(key: GrammarKey) -> str:
     """llguidance's grammar for ``key``. Raises GrammarError for a malformed one."""
     kind, text = key
@@ -90,7 +104,7 @@ class Grammar:
                     f"the grammar refused token {token_id}, which its mask should have forbidden: is the bitmask "
                     "unpacked with bit j of word w = token 32*w + j, and applied to the row of its own request?"
                 )
-        self.failure = "the grammar library gave up on this grammar: " + self.matcher.get_error().split("\n")[0]
+        self.failure = "the grammar library gave up on this grammar: " + library_reason(self.matcher.get_error())
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens of the next step into ``bitmask[row]`` (int32, 32 tokens per
@@ -170,7 +184,7 @@ class GrammarBackend:
         )
         if matcher.is_error():
             kind = "JSON schema" if key[0] == "json" else "regex"
-            raise GrammarError(f"invalid {kind}: {matcher.get_error()}")
+            raise GrammarError(f"invalid {kind}: {library_reason(matcher.get_error())}")
         return matcher
 
     def get(self, key: GrammarKey) -> Future:

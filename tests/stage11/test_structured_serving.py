@@ -145,13 +145,44 @@ def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param,
     assert server.health().status_code == 200, "the server should serve on after a refused grammar"
 
 
-def test_a_grammar_the_library_gives_up_on_is_a_400_with_its_reason(server):
-    """a{1000000} passes the check (it compiles) but not llguidance's limits once matching starts:
-    the scheduler ends that request alone, and its client gets a 400 with the library's reason."""
+NOT_MATCHABLE = [
+    # compiles, but matching its first token passes one of llguidance's limits
+    ({"regex": "a{1000000}"}, "regex", "simplify it"),
+    # compiles, but no character is outside [\x00-\x{10ffff}]: no text matches
+    ({"regex": "[^\\x00-\\x{10ffff}]"}, "regex", "matches no text"),
+    # a schema that is only a reference to itself: no JSON value ends it
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}},
+        "response_format",
+        "matches no text",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields, param, words", NOT_MATCHABLE, ids=["a{1000000}", "empty class", "self-ref"])
+def test_a_grammar_the_library_gives_up_on_is_a_400_with_its_reason(server, fields, param, words):
+    """These pass the front end's check (they compile) but fail once matching starts: the
+    scheduler ends that request alone, and its client gets a 400 on the grammar's field, with the
+    library's reason in words a client can act on (not "NoExtensionBias", not "increase limits.")."""
     request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
-    response = post(server, "/v1/chat/completions", {**request, "regex": "a{1000000}"})
-    message = response.json().get("error", {}).get("message", "") if response.status_code == 400 else ""
-    assert "gave up" in message, (
-        f"expected a 400 saying the library gave up; got {response.status_code} {response.text[:300]}"
+    response = post(server, "/v1/chat/completions", {**request, **fields})
+    error = response.json().get("error", {}) if response.status_code == 400 else {}
+    message = error.get("message", "")
+    assert "gave up" in message and words in message and error.get("param") == param, (
+        f"{fields}: expected a 400 on {param!r} saying the library gave up, with {words!r}; "
+        f"got {response.status_code} {response.text[:300]}"
     )
     assert post(server, "/v1/chat/completions", {**request, "regex": "(yes|no)"}).status_code == 200
+
+
+def test_an_error_that_quotes_a_huge_grammar_is_cut(server):
+    """llguidance quotes a malformed regex several times in its message: 400 KB of "(" once came
+    back as a 1.6 MB error. The message is cut, and says how much was left out."""
+    regex = "(" * 200_000 + ")" * 200_000
+    request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "regex": regex}
+    response = post(server, "/v1/chat/completions", request)
+    message = response.json().get("error", {}).get("message", "") if response.status_code == 400 else ""
+    assert "invalid regex" in message and message.endswith("more characters cut)"), (
+        f"expected a 400 saying the regex is invalid, cut short; got {response.status_code} {response.text[:300]}"
+    )
+    assert len(response.content) < 10_000, f"the error body is {len(response.content)} bytes for a 400 KB regex"
