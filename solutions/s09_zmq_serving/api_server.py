@@ -397,7 +397,13 @@ def create_app(
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         detail = str(exc.detail)
         # FastAPI's "There was an error parsing the body" hides why json.loads gave up; say it
-        if isinstance(exc.__cause__, RecursionError):
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            bad = exc.__cause__
+            detail = (
+                f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at offset {bad.start}; "
+                "send JSON encoded as UTF-8 (non-ASCII text as it is, or as \\u escapes)"
+            )
+        elif isinstance(exc.__cause__, RecursionError):
             detail = "the request body is JSON nested too deeply to parse; send a flatter body"
         elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
             detail = (
@@ -536,22 +542,24 @@ def create_app(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await generate(request, req, body.stream, include_usage, model, "completion")
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card(name: str) -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_names[0],
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "build-an-inference-engine",
-                    "max_model_len": limits.context_len,
-                }
-            ],
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "build-an-inference-engine",
+            "max_model_len": limits.context_len,
         }
 
-    @app.get("/health")
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(model_names[0])]}
+
+    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve; a hub id has a "/"
+    async def model(name: str):
+        return model_card(check_model(name))
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         client: EngineClient = state["client"]
         why = client.fatal.message if client.fatal is not None else dead_child()

@@ -50,6 +50,8 @@ class TokenizerManager:
             ids = self.tokenizer.apply_chat_template(req.messages)
         elif req.text is not None:
             ids = self.tokenizer.encode(req.text)
+            if not ids:  # "" (with no BOS token to add): nothing for the model to continue
+                raise PromptError("prompt: the text makes no tokens at all; send some text", "prompt")
         else:
             ids = list(req.input_ids)
             vocab = self.tokenizer.vocab_size

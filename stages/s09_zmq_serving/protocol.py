@@ -84,7 +84,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ContentPart(_Strict):
+class ContentPart(BaseModel):
+    # Any part parses (image_url, input_audio, ...), so that chat_messages can say which one this
+    # server cannot take, rather than pydantic's "Input should be a valid string" about content
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Name
     text: str | None = None
 
@@ -130,19 +133,25 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[Any]  # one string or one list of token ids; completion_prompt says what else is wrong
     echo: bool = False
     suffix: Name | None = None
     best_of: int | None = None
 
 
 def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
-    """Reject the fields that would change the result and that this server does not implement."""
+    """Reject the fields that would change the result and that this server does not implement
+    (and stream_options without a stream, which OpenAI refuses too)."""
     unsupported: list[tuple[str, object, str]] = [
         (
             "n",
             request.n not in (None, 1),
             "n > 1 (several choices per request) is not supported; send n=1 or leave it out",
+        ),
+        (  # OpenAI refuses it too: options of a stream that is not one
+            "stream_options",
+            request.stream_options is not None and not request.stream,
+            "stream_options is only allowed with stream: true",
         ),
         ("logprobs", request.logprobs not in (None, False, 0), "logprobs are not supported by this server"),
         ("top_logprobs", request.top_logprobs not in (None, 0), "top_logprobs are not supported by this server"),
@@ -291,11 +300,15 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     for i, message in enumerate(request.messages):
         content = message.content
         if not isinstance(content, str):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequest(
-                    f"messages[{i}].content: only text parts are supported", param=f"messages.{i}.content"
-                )
-            content = "".join(part.text for part in content)
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None or part.model_extra:
+                    got = f"a {part.type!r} part" if part.type != "text" else f"a text part with {part.model_dump()}"
+                    raise InvalidRequest(
+                        f'messages[{i}].content[{j}]: only text parts ({{"type": "text", "text": ...}}) are '
+                        f"supported, got {got:.200}",
+                        param=f"messages.{i}.content.{j}",
+                    )
+            content = "".join(part.text or "" for part in content)
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
         out.append({"role": role, "content": content, **({"name": message.name} if message.name is not None else {})})
     return out
@@ -306,16 +319,18 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     prompt = request.prompt
     if isinstance(prompt, str):
         return prompt, None
-    ids = [p for p in prompt if isinstance(p, int)]
-    if prompt and len(ids) == len(prompt):
-        if any(p < 0 for p in ids):
-            raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
-        return None, ids
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    raise InvalidRequest(
-        "prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt"
-    )
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest(
+            "prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt"
+        )
+    not_ids = [p for p in prompt if type(p) is not int]  # (a bool is an int to Python, not to JSON)
+    if not_ids:
+        raise InvalidRequest(f"prompt token ids must be integers, got {not_ids[0]!r:.40}", param="prompt")
+    if any(p < 0 for p in prompt):
+        raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
+    return None, list(prompt)
 
 
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:

@@ -45,10 +45,9 @@ class GrammarError(ValueError):
     """A schema or regex that does not compile; the message says what is wrong."""
 
 
-def library_reason(error: str) -> str:
-    """llguidance's reason (its first line) in a client's words: its advice to raise one of its
-    limits is for whoever runs the server, and "NoExtensionBias" says only that no token may come."""
-    reason = error.split("\n")[0]
+def library_reason(reason: str) -> str:
+    """llguidance's reason in a client's words: its advice to raise one of its limits is for
+    whoever runs the server, and "NoExtensionBias" says only that no token may come."""
     if "NoExtensionBias" in reason:
         return (
             "no token can come next: the grammar matches no text the model can write "
@@ -104,7 +103,8 @@ class Grammar:
                     f"the grammar refused token {token_id}, which its mask should have forbidden: is the bitmask "
                     "unpacked with bit j of word w = token 32*w + j, and applied to the row of its own request?"
                 )
-        self.failure = "the grammar library gave up on this grammar: " + library_reason(self.matcher.get_error())
+        reason = self.matcher.get_error().split("\n")[0]  # (what follows is the parser's debug dump)
+        self.failure = f"the grammar library gave up on this grammar: {library_reason(reason)}"
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens of the next step into ``bitmask[row]`` (int32, 32 tokens per

@@ -26,6 +26,34 @@ from .sampling_params import JSON_OBJECT_SCHEMA, StructuredSamplingParams  # noq
 CHECK_TIMEOUT_S = 5.0  # a grammar whose check takes longer is refused (llguidance's limits bound it anyway)
 
 
+# The fields OpenAI defines in each kind of response_format (json_schema's own object too): any
+# other key is refused, as an unknown top-level field is, so that a typo cannot pass unnoticed
+RESPONSE_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def check_response_format_keys(response_format: dict[str, Any] | None) -> None:
+    """InvalidRequest naming the first key ``response_format`` (of a known type) should not hold."""
+    kind = (response_format or {}).get("type")
+    if response_format is None or kind not in RESPONSE_FORMAT_KEYS:
+        return  # nothing to check, or a type that grammar_fields refuses itself
+    for key in response_format:
+        if key not in RESPONSE_FORMAT_KEYS[kind]:
+            raise InvalidRequest(
+                f"response_format.{key:.80}: not a field of a {kind} response_format (it takes "
+                f"{sorted(RESPONSE_FORMAT_KEYS[kind])})",
+                param=f"response_format.{key:.80}",
+            )
+    spec = response_format.get("json_schema")
+    for key in spec if isinstance(spec, dict) else ():
+        if key not in JSON_SCHEMA_KEYS:
+            raise InvalidRequest(
+                f"response_format.json_schema.{key:.80}: not a field of json_schema "
+                f"(it takes {sorted(JSON_SCHEMA_KEYS)})",
+                param=f"response_format.json_schema.{key:.80}",
+            )
+
+
 def grammar_fields(response_format: dict[str, Any] | None, regex: str | None) -> dict[str, Any]:
     """StructuredSamplingParams' grammar fields for a request; InvalidRequest names what is wrong."""
     raise NotImplementedError(
@@ -38,6 +66,7 @@ async def structured_params(
 ) -> SamplingParams:
     """``params`` with the request's grammar, checked (off the event loop, within CHECK_TIMEOUT_S).
     Raises InvalidRequest (a 400) for a grammar that is malformed, does not compile or takes too long."""
+    check_response_format_keys(response_format)
     fields = grammar_fields(response_format, regex)
     if not fields:
         return params

@@ -53,6 +53,63 @@ BAD_INPUTS = [
     ("a batch of prompts", COMPLETIONS, {"model": "llama", "prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt", ""),
     ("an unknown model", CHAT, chat(model="gpt-17"), 404, "model", "gpt-17"),
     (
+        "an image part",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]),
+        400,
+        "messages.0.content.0",
+        "only text parts",
+    ),
+    (
+        "a text part with a field more",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache": 1}]}]),
+        400,
+        "messages.0.content.0",
+        "only text parts",
+    ),
+    ("an empty prompt", COMPLETIONS, {"model": "llama", "prompt": "", "max_tokens": 4}, 400, "prompt", "no tokens"),
+    (
+        "a batch of token-id prompts",
+        COMPLETIONS,
+        {"model": "llama", "prompt": [[1, 2], [3]], "max_tokens": 4},
+        400,
+        "prompt",
+        "batch of prompts",
+    ),
+    (
+        "a string among token ids",
+        COMPLETIONS,
+        {"model": "llama", "prompt": [1, "a"], "max_tokens": 4},
+        400,
+        "prompt",
+        "integers",
+    ),
+    (
+        "true as a token id",
+        COMPLETIONS,
+        {"model": "llama", "prompt": [True], "max_tokens": 4},
+        400,
+        "prompt",
+        "integers",
+    ),
+    (
+        "stream_options without a stream",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "stream: true",
+    ),
+    (
+        "a body that is not UTF-8",
+        CHAT,
+        b'{"model": "llama", "messages": [{"role": "user", "content": "caf\xe9"}]}',
+        400,
+        None,
+        "not valid UTF-8",
+    ),
+    (
         "a prompt longer than the context",
         COMPLETIONS,
         {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4},
@@ -211,7 +268,7 @@ def assert_good_request_works(server, after: str) -> None:
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
     tiny_server, what, path, body, status, param, words
 ):
-    answer = post(tiny_server, path, data=body) if isinstance(body, str) else post(tiny_server, path, body)
+    answer = post(tiny_server, path, data=body) if isinstance(body, (str, bytes)) else post(tiny_server, path, body)
     assert answer.status_code == status, (
         f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
     )
@@ -254,3 +311,13 @@ def test_the_openai_client_sees_the_errors(tiny_server):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4)
     answer = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=2, temperature=0)
     assert answer.usage.completion_tokens == 2, f"a good request after errors should generate 2 tokens: {answer}"
+
+
+def test_the_model_can_be_retrieved_and_health_answers_head(tiny_server):
+    client = OpenAI(base_url=tiny_server.base_url + "/v1", api_key="x", max_retries=0)
+    card = client.models.retrieve("llama")
+    assert card.id == "llama" and card.object == "model", f"models.retrieve('llama') gave {card}"
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("gpt-17")
+    head = requests.head(tiny_server.base_url + "/health", headers=tiny_server.headers, timeout=30)
+    assert head.status_code == 200, f"HEAD /health (a load balancer's probe) got {head.status_code}"

@@ -132,8 +132,15 @@ def test_response_format_and_regex_map_to_the_grammar_fields():
         ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "cannot both"),
         ({"response_format": {"type": "xml"}}, "response_format", "not supported"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
+        ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict", "not a field"),
+        ({"response_format": {"type": "text", "foo": 1}}, "response_format.foo", "not a field"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "scheme": {}}}},
+            "response_format.json_schema.scheme",
+            "not a field",
+        ),
     ],
-    ids=["bad-schema", "bad-regex", "both", "unknown-type", "no-schema"],
+    ids=["bad-schema", "bad-regex", "both", "unknown-type", "no-schema", "unknown-key", "unknown-key-text", "typo"],
 )
 def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
     request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, **body}
