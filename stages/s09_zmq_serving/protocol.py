@@ -41,8 +41,8 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a mode
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longer lists
 MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
 MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
-# An error message longer than this is cut: a 2 MB regex once came back as an 8 MB error, quoted
-# four times by the grammar library
+# An error message longer than this is cut: a malformed 400 KB regex once came back as a 1.6 MB
+# error, quoted four times by the grammar library
 MAX_ERROR_CHARS = 2000
 
 

@@ -12,17 +12,13 @@ from transformers import AutoTokenizer
 from s11_structured_output.grammar_backend import GrammarBackend, GrammarCache
 
 
-def future() -> Future:
-    return Future()
-
-
 def test_the_least_recently_used_grammar_goes_first_past_the_count():
     cache = GrammarCache(max_grammars=3, max_chars=10**6)
     keys = [("regex", f"a{i}") for i in range(4)]
     for key in keys[:3]:
-        cache[key] = future()
+        cache[key] = Future()
     assert cache.get(keys[0]) is not None  # used again: now the most recent
-    cache[keys[3]] = future()
+    cache[keys[3]] = Future()
     assert len(cache) == 3
     assert keys[1] not in cache, "the least recently used key should have been evicted"
     assert all(key in cache for key in (keys[0], keys[2], keys[3]))
@@ -30,15 +26,15 @@ def test_the_least_recently_used_grammar_goes_first_past_the_count():
 
 def test_the_grammar_text_held_is_bounded_and_the_newest_always_stays():
     cache = GrammarCache(max_grammars=100, max_chars=10)
-    cache[("regex", "aaaa")] = future()
-    cache[("json", "bbbb")] = future()
+    cache[("regex", "aaaa")] = Future()
+    cache[("json", "bbbb")] = Future()
     assert len(cache) == 2 and cache.chars == 8
-    cache[("regex", "cccc")] = future()  # 12 chars: the oldest goes
+    cache[("regex", "cccc")] = Future()  # 12 chars: the oldest goes
     assert ("regex", "aaaa") not in cache and cache.chars == 8
     big = ("regex", "x" * 50)  # alone over the bound: kept (its request is compiling it), the rest go
-    cache[big] = future()
+    cache[big] = Future()
     assert list(cache.entries) == [big] and cache.chars == 50
-    cache[big] = future()  # the same key again is not counted twice
+    cache[big] = Future()  # the same key again is not counted twice
     assert cache.chars == 50
 
 
