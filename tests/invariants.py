@@ -6,14 +6,21 @@ from __future__ import annotations
 import torch
 
 
-def check_all(engine, what: str) -> None:
-    """Raise AssertionError (prefixed with ``what``) unless the engine's memory bookkeeping holds."""
-    pending = getattr(engine.scheduler, "chunked_req", None)  # stage 7's half-prefilled request
+def check_chunked_req_not_running(engine, what: str) -> None:
+    """Stage 7's half-prefilled request (``chunked_req``) must not be in the running list too:
+    else the next step schedules it twice, and the first symptom (a token for a request that
+    already finished, two rows writing one slot) names nothing the learner wrote."""
+    pending = getattr(engine.scheduler, "chunked_req", None)
     if pending is not None and any(req is pending for req in engine.scheduler.running):
         raise AssertionError(
             f"{what}: request {pending.rid} is half prefilled (chunked_req) and still in the running list: a request "
             "whose prefill is unfinished has no token to decode; it leaves the running list until its last chunk"
         )
+
+
+def check_all(engine, what: str) -> None:
+    """Raise AssertionError (prefixed with ``what``) unless the engine's memory bookkeeping holds."""
+    check_chunked_req_not_running(engine, what)
     try:
         engine.scheduler.check_invariants()
         if engine.tree_cache is not None:

@@ -10,7 +10,7 @@ import random
 import torch
 
 import s05_continuous_batching.scheduler as stage5_scheduler
-from invariants import check_all, watch_evict  # noqa: F401 (the tests import check_all from here)
+from invariants import check_all, check_chunked_req_not_running, watch_evict
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -18,11 +18,24 @@ from s07_chunked_prefill.engine import Engine
 
 
 def chunked_engine(path, chunked_prefill_size, **knobs):
-    """(engine, recorder) on a tiny model; knobs go to the stage-7 Engine (pool_size, ...)."""
+    """(engine, recorder) on a tiny model; knobs go to the stage-7 Engine (pool_size, ...). Every
+    step (generate()'s too) ends with the half-prefilled request's rule checked, so that a broken
+    rule is named in the step that broke it, whatever the test looks at."""
     recorder = PassRecorder(engine_model(str(path)))
     engine = Engine(recorder, engine_tokenizer(str(path)), chunked_prefill_size=chunked_prefill_size, **knobs)
     if engine.tree_cache is not None:
         watch_evict(engine.tree_cache)
+    real_step = engine.step
+    steps = 0
+
+    def checked_step():
+        nonlocal steps
+        outputs = real_step()
+        steps += 1
+        check_chunked_req_not_running(engine, f"after step {steps}")
+        return outputs
+
+    engine.step = checked_step
     return engine, recorder
 
 
