@@ -83,7 +83,26 @@ def backend_with_rows(num_kv_heads: int, lengths: list[int], head_dim: int = 16,
         seq_lens,
     )
     backend.fill_decode_metadata(meta, torch.arange(len(lengths)))
+    check_decode_metadata(meta, table.req_to_token[: len(lengths)], lengths)
     return backend, meta
+
+
+def check_decode_metadata(meta, rows: torch.Tensor, lengths: list[int]) -> None:
+    """Your ``fill_decode_metadata``'s tables, checked before anything attends with them: row i's
+    key mask is True for j < seq_len only, and its kv_indices there are table row i's slots (past
+    seq_len they are masked: any slot will do)."""
+    for i, n in enumerate(lengths):
+        seq_len = int(meta.seq_lens[i])
+        got, want = meta.kv_indices[i, :seq_len].tolist(), rows[i, :seq_len].tolist()
+        assert got == want, (
+            f"fill_decode_metadata: kv_indices row {i} should start with its table row's first {seq_len} slots "
+            f"{want}, got {got}"
+        )
+        keys = meta.key_mask[i].nonzero().flatten().tolist()
+        assert keys == list(range(seq_len)), (
+            f"fill_decode_metadata: key_mask row {i} (seq_len {seq_len}, its new token included"
+            f"{'; a padding row' if n == 0 else ''}) should be True for the keys j < {seq_len} only, got True at {keys}"
+        )
 
 
 def built_kernel() -> decode_kernel.DecodeKernel:

@@ -48,7 +48,8 @@ def test_fused_kernel_equals_your_gathered_decode(kernel, num_heads, num_kv_head
     worst = (got - expected).abs().max().item()
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (
         f"{num_heads} query heads over {num_kv_heads} KV heads of {head_dim}, rows of {lengths} tokens: the fused "
-        f"kernel and your attend_decode differ by up to {worst:.3g} (check fill_decode_metadata: kv_indices)"
+        f"kernel and your attend_decode differ by up to {worst:.3g} (check attend_decode: one masked attention "
+        "over each row's gathered keys)"
     )
 
 

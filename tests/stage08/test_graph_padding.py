@@ -74,8 +74,14 @@ def test_static_buffers_are_reused_across_steps(tiny_models_root):
             now = getattr(graph, name)
             assert now is buffers[name] and now.data_ptr() == addresses[name], (
                 f"decode step {step}: static buffer {name} was replaced by a new tensor; a captured graph reads the "
-                "old "
-                "addresses, so copy the batch into the buffer (copy_) instead"
+                "old addresses, so copy the batch into the buffer (copy_) instead"
+            )
+        meta, backend = runner.attn_backend.decode_metadata, runner.attn_backend
+        for name, buffer in (("kv_indices", backend.cuda_graph_kv_indices), ("key_mask", backend.cuda_graph_key_mask)):
+            assert getattr(meta, name).data_ptr() == buffer.data_ptr(), (
+                f"decode step {step}: the bucket's decode metadata {name} is no longer a view of the graph's buffer: "
+                f"fill_decode_metadata must write into meta.{name} in place (copy_), not assign a new tensor; a "
+                "captured graph reads the buffer it was recorded with"
             )
     for (bs, kv_len), batch in graph.batches.items():
         for name in ("input_ids", "positions", "req_pool_indices", "out_cache_loc"):
