@@ -442,8 +442,9 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
         print(f"  {problem}")
     print(
         f"leaked KV slots: {leaked} (pool {after['pool_size']}, free {after['free_slots']}, radix tree "
-        f"{after['tree_cached_tokens']}); requests still tracked: {after['tracked_requests']}; invariants: "
-        f"{after['invariants']}"
+        f"{after['tree_cached_tokens']}); requests still kept: scheduler {after['tracked_requests']}, detokenizer "
+        f"{after['detokenizer_requests'] + after['detokenizer_failed']}, API server {after['open_requests']}; "
+        f"invariants: {after['invariants']}"
     )
     print("resident memory (MiB)    before    after")
     for name, pid in after["pids"].items():
@@ -454,7 +455,8 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
         not runner.problems
         and leaked == 0
         and after["invariants"] == "ok"
-        and after["tracked_requests"] == 0
+        and after["tracked_requests"] == after["detokenizer_requests"] == after["detokenizer_failed"] == 0
+        and after["open_requests"] == 0
         and health.status_code == 200
     )
     print("the server came through whole" if whole else "THE SERVER DID NOT COME THROUGH WHOLE")

@@ -154,6 +154,11 @@ class DetokenizerManager:
         """The request ended in an error elsewhere (the scheduler's ErrorOut passes through here)."""
         self.decode_status.pop(rid, None)
 
+    def debug_state(self) -> dict[str, int]:
+        """What this process holds per request, for /debug/state: with nothing running both are 0,
+        else a request ended without its end reaching here (its text would be kept forever)."""
+        return {"detokenizer_requests": len(self.decode_status), "detokenizer_failed": len(self.failed)}
+
 
 def run_detokenizer_process(server_args, ipc, ready, heartbeats) -> None:
     """The detokenizer process: PULL from the scheduler, PUSH to the API server, forever."""
@@ -173,6 +178,8 @@ def run_detokenizer_process(server_args, ipc, ready, heartbeats) -> None:
                 return
         elif isinstance(message, ErrorOut):
             manager.forget(message.rid)
+        elif isinstance(message, DebugStateOut):  # the scheduler's counts, taken after every earlier message
+            message.state.update(manager.debug_state())
         elif isinstance(message, DebugFaultReq):
             manager.fault.arm(message, "detokenizer")
             message = DebugStateOut(message.rid, {"armed": message.process, "kind": message.kind})

@@ -165,14 +165,23 @@ def wait_idle(server: Server, what: str, timeout: float = 20) -> dict:
 
 
 def assert_nothing_leaked(state: dict, what: str) -> None:
-    """With nothing running: the invariants hold, nothing is tracked or locked, and every KV slot
-    is free or held by the radix tree."""
+    """With nothing running: the invariants hold, no process keeps a request (scheduler, detokenizer,
+    API server), nothing is locked, and every KV slot is free or held by the radix tree."""
     assert state["invariants"] == "ok", (
         f"{what}: the scheduler's / radix tree's invariants are broken:\n{state['invariants']}"
     )
     assert state["tracked_requests"] == 0, (
         f"{what}: the scheduler process still tracks {state['tracked_requests']} requests"
     )
+    if "open_requests" in state:  # the server's /debug/state; the in-process tests pass the scheduler's alone
+        assert state["detokenizer_requests"] == 0, (
+            f"{what}: the detokenizer still keeps the text of {state['detokenizer_requests']} requests: a request's "
+            "end (an abort too) must reach the detokenizer, which then forgets it"
+        )
+        assert state["detokenizer_failed"] == 0, (
+            f"{what}: the detokenizer still waits for the end of {state['detokenizer_failed']} failed requests"
+        )
+        assert state["open_requests"] == 0, f"{what}: the API server still holds {state['open_requests']} answer queues"
     assert state["tree_locked_tokens"] == 0, (
         f"{what}: {state['tree_locked_tokens']} cached tokens are still locked by nobody"
     )
