@@ -3,10 +3,12 @@
 A request whose grammar is still compiling waits on the side while free and already-compiled
 requests run to their end; once its grammar is ready it runs, and its output follows it. A grammar
 that does not compile aborts its request with the library's reason; a bad combination of fields
-is refused when the SamplingParams are built."""
+is refused when the SamplingParams are built; one that compiles for longer than grammar_timeout
+ends its request too, rather than leave it waiting forever."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -33,19 +35,28 @@ def run_until_idle(engine, max_steps: int = 2000) -> list:
     raise AssertionError(f"the engine still had work after {max_steps} steps")
 
 
-def test_a_compiling_request_does_not_block_the_others(engine):
+@contextlib.contextmanager
+def compilation_held(engine, key: tuple[str, str], at_most_s: float):
+    """The grammar backend's compilation of ``key`` waits until the block ends (or ``at_most_s``)."""
     backend = engine.scheduler.grammar_backend
-    slow_key = ("regex", REGEXES[3])
     release = threading.Event()
     compile_ = backend.compile
 
-    def slow_compile(key):
-        if key == slow_key:
-            assert release.wait(60), "the test never released the slow compilation"
-        return compile_(key)
+    def held_compile(k):
+        if k == key:
+            release.wait(at_most_s)
+        return compile_(k)
 
-    backend.compile = slow_compile
+    backend.compile = held_compile
     try:
+        yield
+    finally:
+        release.set()
+        backend.compile = compile_
+
+
+def test_a_compiling_request_does_not_block_the_others(engine):
+    with compilation_held(engine, ("regex", REGEXES[3]), at_most_s=60):
         slow = engine.add_request([72, 73], constrained("regex", REGEXES[3]))
         free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
         fast = engine.add_request([76, 77], constrained("json", SCHEMAS["optional"]))
@@ -61,15 +72,34 @@ def test_a_compiling_request_does_not_block_the_others(engine):
         assert not slow.output_ids and not slow.finished and slow.req_pool_idx is None, (
             f"a request whose grammar is still compiling must not be admitted (it has no mask yet): {slow}"
         )
-    finally:
-        release.set()
-        backend.compile = compile_
     run_until_idle(engine)
     assert_follows(
         slow.output_text, slow.finished_reason, "regex", REGEXES[3], "the request that waited for its grammar"
     )
     assert_follows(fast.output_text, fast.finished_reason, "json", SCHEMAS["optional"], "the other constrained request")
     check_all(engine, "after the slow compilation")
+
+
+def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
+    """A compilation that outlasts grammar_timeout ends its request (abort, with the reason) instead
+    of keeping it, and its client, waiting forever; the requests beside it run as usual."""
+    engine = engine_on(tiny_models_root / "qwen3", pool_size=1024, grammar_timeout=0.3)
+    # held far past the timeout: a missed timeout shows as a request that ran on its late grammar
+    with compilation_held(engine, ("regex", REGEXES[2]), at_most_s=10):
+        stuck = engine.add_request([72, 73], constrained("regex", REGEXES[2]))
+        free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+        outputs = run_until_idle(engine, max_steps=20000)  # a step without work waits a little for a compilation
+    assert stuck.finished_reason is not None and stuck.finished_reason.type == "abort" and not stuck.output_ids, (
+        f"a grammar still compiling after grammar_timeout=0.3 s should abort its request, with no tokens: {stuck}"
+    )
+    assert stuck.grammar_error and "longer than" in stuck.grammar_error, (
+        f"its grammar_error should say the grammar took longer than grammar_timeout: {stuck.grammar_error!r}"
+    )
+    assert any(out.rid == stuck.rid and out.finish_reason.type == "abort" for out in outputs), (
+        "the timed-out request's end should be streamed like any other's (a TokenOutput with finish reason abort)"
+    )
+    assert len(free.output_ids) == 3, f"the free request beside it should run to its end: {free}"
+    check_all(engine, "after a grammar timed out")
 
 
 @pytest.mark.parametrize(

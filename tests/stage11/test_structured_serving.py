@@ -47,6 +47,25 @@ def client(server: Server) -> OpenAI:
     return OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
+def test_response_format_and_regex_map_to_the_grammar_fields():
+    # first in the file: a wrong mapping is named here, before the served tests show its symptoms
+    schema = SCHEMAS["flat"]
+    cases = [
+        ((None, None), {}, "no grammar"),
+        (({"type": "text"}, None), {}, "text is no constraint"),
+        (({"type": "json_object"}, None), {"json_schema": '{"type":"object"}'}, "any JSON object"),
+        (
+            ({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}, None),
+            {"json_schema": schema},
+            "the schema INSIDE json_schema, not its wrapper {name, schema, strict}",
+        ),
+        ((None, "[a-z]+"), {"regex": "[a-z]+"}, "SGLang's regex field as it is"),
+    ]
+    for (response_format, regex), want, why in cases:
+        got = grammar_fields(response_format, regex)
+        assert got == want, f"response_format={response_format}, regex={regex!r}: fields {got}, expected {want} ({why})"
+
+
 def test_the_openai_parse_helper_gets_its_pydantic_model(server):
     completion = client(server).beta.chat.completions.parse(
         model="llama",
@@ -101,23 +120,6 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
         [constrained("json", schema, max_new_tokens=80), constrained("regex", REGEXES[1], max_new_tokens=40)],
     )
     assert [out.text for out in offline] == texts, f"served {texts}, offline {[out.text for out in offline]}"
-
-
-def test_response_format_and_regex_map_to_the_grammar_fields():
-    schema = SCHEMAS["flat"]
-    cases = [
-        ((None, None), {}),
-        (({"type": "text"}, None), {}),
-        (({"type": "json_object"}, None), {"json_schema": '{"type":"object"}'}),
-        (
-            ({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}, None),
-            {"json_schema": schema},
-        ),
-        ((None, "[a-z]+"), {"regex": "[a-z]+"}),
-    ]
-    for (response_format, regex), want in cases:
-        got = grammar_fields(response_format, regex)
-        assert got == want, f"response_format={response_format}, regex={regex!r}: fields {got}, expected {want}"
 
 
 @pytest.mark.parametrize(
