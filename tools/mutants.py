@@ -332,6 +332,31 @@ MUTANTS: list[Mutant] = [
         ),
         r"cached|extend_lens",
     ),
+    Mutant(
+        "s04-gather-before-write",
+        "s04_paged_kv_pool/paged_backend.py",
+        "each layer writes the new tokens' K/V into the pool BEFORE it gathers: the gathered keys include the new "
+        "tokens' own",
+        (
+            ("        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)\n        keys = ", "        keys = "),
+            (
+                "        outputs, q_start, kv_start = [], 0, 0\n",
+                "        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)\n"
+                "        outputs, q_start, kv_start = [], 0, 0\n",
+            ),
+        ),
+        r"logits differ from transformers|step \d+: your engine produced",
+    ),
+    Mutant(
+        "s04-kv-indptr-of-new-tokens",
+        "s04_paged_kv_pool/paged_backend.py",
+        "kv_indptr runs over each request's WHOLE sequence (seq_lens), qo_indptr over its new tokens (extend_lens)",
+        edit(
+            "kv_indptr = torch.tensor([0, *batch.seq_lens]",
+            "kv_indptr = torch.tensor([0, *batch.extend_lens]",
+        ),
+        r"kv_indptr",
+    ),
     # --- stage 5: continuous batching ---------------------------------------------------------
     Mutant(
         "s05-admit-no-future",
@@ -611,6 +636,28 @@ MUTANTS: list[Mutant] = [
         edit("        self.fill_padding(n, bs)\n        self.attn_backend", "        self.attn_backend"),
         r"pad|dummy",
     ),
+    Mutant(
+        "s08-key-mask-one-more",
+        "s08_cuda_graph/decode_attention.py",
+        "a decode row sees the keys j < seq_len: its last key is its own new token, nothing after it",
+        edit(
+            "self.key_positions[None, :kv_len] < meta.seq_lens[:, None]",
+            "self.key_positions[None, :kv_len] <= meta.seq_lens[:, None]",
+        ),
+        r"mask|key",
+    ),
+    Mutant(
+        "s08-metadata-rebound",
+        "s08_cuda_graph/decode_attention.py",
+        "the decode metadata are filled IN PLACE: a captured graph reads the buffers it was recorded with",
+        edit(
+            """        meta.kv_indices.copy_(table[req_pool_indices, :kv_len])
+        meta.key_mask.copy_(self.key_positions[None, :kv_len] < meta.seq_lens[:, None])""",
+            """        meta.kv_indices = table[req_pool_indices, :kv_len]
+        meta.key_mask = self.key_positions[None, :kv_len] < meta.seq_lens[:, None]""",
+        ),
+        r"in place|copy_|replaced|address",
+    ),
     # --- stage 9: serving (regions away from the scheduler process's lifecycle) ---------------
     Mutant(
         "s09-no-hold-back",
@@ -661,6 +708,18 @@ MUTANTS: list[Mutant] = [
         "an invalid sampling field is refused with an error whose `param` names that field",
         edit("raise InvalidRequest(str(error), param=param) from None", "raise InvalidRequest(str(error)) from None"),
         r"param",
+    ),
+    Mutant(
+        "s09-abort-detokenizer-not-told",
+        "s09_zmq_serving/scheduler_process.py",
+        "an aborted request's end goes to the detokenizer, which forgets its text and ends its stream",
+        edit(
+            "            self.send_to_detokenizer.send_pyobj(\n"
+            "                BatchTokenIDOut(\n"
+            "                    [rid],",
+            "            (\n                (\n                    [rid],",
+        ),
+        r"abort|detokenizer",
     ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
     Mutant(
@@ -767,6 +826,41 @@ MUTANTS: list[Mutant] = [
         "a constrained request ends with EOS, so ignore_eos cannot go with a grammar",
         edit("if self.grammar_key is not None and self.ignore_eos:", "if False:"),
         r"ignore_eos",
+    ),
+    Mutant(
+        "s11-wait-for-the-compiler",
+        "s11_structured_output/scheduler.py",
+        "a grammar still compiling holds back only its own request: the others are scheduled meanwhile",
+        edit(
+            "            if not future.done() and not timed_out:\n"
+            "                continue  # still compiling: the others go on without it\n",
+            "",
+        ),
+        r"compil|wait|others",
+    ),
+    Mutant(
+        "s11-no-grammar-timeout",
+        "s11_structured_output/scheduler.py",
+        "a grammar that takes longer than grammar_timeout to compile ends its request with an error",
+        edit(
+            "timed_out = not future.done() and now - req.time_stats.arrival > self.grammar_timeout",
+            "timed_out = False",
+        ),
+        r"timeout|took longer|longer than",
+    ),
+    Mutant(
+        "s11-schema-wrapper",
+        "s11_structured_output/response_format.py",
+        "the grammar is the schema INSIDE response_format's json_schema ({name, schema}), not the wrapper",
+        edit('return {"json_schema": spec["schema"]}', 'return {"json_schema": spec}'),
+        r"schema",
+    ),
+    Mutant(
+        "s11-json-object-unconstrained",
+        "s11_structured_output/response_format.py",
+        "response_format json_object constrains the output to a JSON object",
+        edit('        return {"json_schema": JSON_OBJECT_SCHEMA}\n', "        return {}\n"),
+        r"json_object|JSON",
     ),
     # --- stage 12: tensor parallelism ------------------------------------------------------------
     Mutant(
