@@ -56,7 +56,7 @@ def compilation_held(engine, key: tuple[str, str], at_most_s: float):
 
 
 def test_a_compiling_request_does_not_block_the_others(engine):
-    with compilation_held(engine, ("regex", REGEXES[3]), at_most_s=60):
+    with compilation_held(engine, ("regex", REGEXES[3]), at_most_s=30):
         slow = engine.add_request([72, 73], constrained("regex", REGEXES[3]))
         free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
         fast = engine.add_request([76, 77], constrained("json", SCHEMAS["optional"]))
