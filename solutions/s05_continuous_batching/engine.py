@@ -218,6 +218,12 @@ class ContinuousBatchingEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def fatal_error(self) -> str | None:
+        """Why no step can ever run again, or None. A failed step ends its own requests and the
+        engine goes on; this is for what cannot be undone (stage 12: a rank of the group died),
+        where a server must stop rather than fail every later request."""
+        return None
+
     # --- the offline API --------------------------------------------------------------------------
 
     def generate(

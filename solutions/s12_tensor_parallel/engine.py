@@ -116,6 +116,13 @@ class TPEngine(base.StructuredOutputEngine):
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def fatal_error(self) -> str | None:
+        """A group that stopped (a rank died, a collective failed or timed out) cannot run another
+        step: the server ends its scheduler, so /health says why instead of every request failing."""
+        if self.tp is not None and self.tp.failed is not None:
+            return f"the tensor-parallel group has stopped: {self.tp.failed}"
+        return None
+
     def forward_threads(self) -> int:
         """Every rank computes each step, each on torch's thread count (on a CPU, one machine)."""
         return torch.get_num_threads() * self.config.tp_size

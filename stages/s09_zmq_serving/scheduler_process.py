@@ -113,7 +113,11 @@ class SchedulerProcess:
     def recv_requests(self, block: bool) -> list:
         """Every message waiting on the socket. With ``block``, first wait for one (up to
         IDLE_POLL_MS, so the loop still comes round now and then). Each call is one loop
-        iteration: it beats the heartbeat that /health reads."""
+        iteration: it beats the heartbeat that /health reads, unless the engine can never step
+        again (``fatal_error``): then it raises, and the process ends."""
+        why = self.engine.fatal_error()
+        if why is not None:  # this process ends; the launcher answers every request with why, /health 503
+            raise RuntimeError(f"the engine cannot run any more steps, so the scheduler stops: {why}")
         if self.heartbeats is not None:
             self.heartbeats.beat("scheduler")
         messages: list[Any] = []

@@ -1,10 +1,16 @@
 """Stage 12 (graded): the stage 9 server with ``--tp-size 2`` streams one device's tokens through
-the official ``openai`` client, and stopping it leaves no rank behind."""
+the official ``openai`` client, and stopping it leaves no rank behind; a rank that dies stops the
+server with the reason (no step can run without it), rather than leaving it up to fail every request."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
@@ -40,3 +46,31 @@ def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_
         server.stop()
     left = wait_gone(ranks, timeout=15)
     assert not left, f"the server stopped, but its tensor-parallel ranks {left} still run"
+
+
+def test_a_dead_rank_stops_the_server_with_the_reason(tiny_models_root, tmp_path_factory):
+    server = Server(
+        tiny_models_root / "llama", ["--tp-size", "2", "--pool-size", "1024"], tmp_path_factory.mktemp("s12-dead-rank")
+    )
+    try:
+        pids = server.pids()
+        [rank_1] = children_of(pids["scheduler"])
+        os.kill(rank_1, signal.SIGKILL)
+        try:
+            code = server.process.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                "30 s after rank 1 was killed the server still runs: a tensor-parallel group that lost a rank can run "
+                "no step again, so the scheduler must stop (engine.fatal_error()) and the server with it, saying why; "
+                f"/health answered {server.health().status_code}",
+                pytrace=False,
+            )
+    finally:
+        server.stop()
+    assert code != 0, f"the server stopped with exit code {code} after losing a rank: a failure must not exit 0"
+    log = server.log_text()
+    assert f"the tensor-parallel group has stopped: rank 1 (pid {rank_1})" in log, (
+        f"the server's log should say which rank was lost and that the group stopped:\n{server.why()}"
+    )
+    left = wait_gone(pids.values(), timeout=15)
+    assert not left, f"the server stopped after losing a rank, but its processes {left} still run"
