@@ -27,9 +27,18 @@ class TPModelRunner(GraphModelRunner):
         super().__init__(*args, **kwargs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.tp.is_first and self.tp.size > 1:
-            self.tp.broadcast_object(BatchMessage.of(batch, self.req_to_token_pool.req_to_token))
-        return super().forward(batch)
+        if not (self.tp.is_first and self.tp.size > 1):
+            return super().forward(batch)
+        self.tp.broadcast_object(BatchMessage.of(batch, self.req_to_token_pool.req_to_token))
+        try:
+            return super().forward(batch)
+        except Exception as error:
+            # The other ranks run this batch too. Stopped partway, rank 0 leaves them inside a
+            # collective it will never join, and its next forward's collectives would pair with
+            # theirs (wrong sums, or a hang): the group cannot go on, and says so from now on.
+            if self.tp.failed is None:
+                self.tp.failed = f"rank 0's forward failed midway: {type(error).__name__}: {error}"
+            raise
 
 
 def make_tp_runner(model: TPCausalLM, c: Any, pool_size: int, max_context_len: int, tp: TPGroup) -> TPModelRunner:

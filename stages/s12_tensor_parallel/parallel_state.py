@@ -56,7 +56,8 @@ class TPGroup:
     # On CUDA a collective is only queued: timing it means waiting for the device after each one,
     # which a server must not do. So on CUDA the time is measured only when this is set.
     time_collectives: bool = False
-    failed: str | None = None  # why the group cannot go on (set by rank 0's watchdog or a failed collective)
+    failed: str | None = None  # why the group cannot go on: rank 0's watchdog, a failed collective, or a
+    # forward rank 0 left midway (model_runner.py) set it
 
     @property
     def is_first(self) -> bool:
