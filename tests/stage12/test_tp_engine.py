@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
 from s02_request_and_sampling.sampler import sample
 from s10_overlap_scheduling import overlap_worker
 from s12_tensor_parallel.engine import TPEngine
-from s12_tensor_parallel.parallel_state import TPGroupError
 from structured_helpers import SCHEMAS, assert_follows, constrained  # noqa: E402
 from structured_helpers import engine_on as structured_engine_on  # noqa: E402
 
@@ -131,34 +130,3 @@ def test_a_grammar_is_followed_under_tp(tp2):
         assert g.output_ids == e.output_ids, (
             f"{path.name}, tp=2, request {i}: constrained tokens {g.output_ids}, one device's {e.output_ids}"
         )
-
-
-def test_a_forward_rank_0_leaves_midway_stops_the_group(tiny_models_root):
-    """The other ranks run every batch rank 0 broadcasts: a forward that fails on rank 0 after the
-    broadcast leaves them inside a collective, and a next step would pair its collectives with
-    theirs. So the group stops, naming why, and fails every later step at once."""
-    engine = TPEngine(str(tiny_models_root / "qwen2"), tp_size=2, tp_timeout_s=10, **KNOBS)
-    pids = engine.launcher.pids
-    try:
-        engine.generate([[1, 2, 3]], greedy(2))  # the group works
-        backend = engine.runner.attn_backend
-        real = backend.init_forward_metadata
-
-        def fails_once(batch):
-            backend.init_forward_metadata = real
-            raise RuntimeError("injected: rank 0 fails after the broadcast")
-
-        backend.init_forward_metadata = fails_once
-        with pytest.raises(RuntimeError, match="injected"):
-            engine.generate([[4, 5, 6]], greedy(2))
-        engine.abort_failed_step()
-        why = engine.fatal_error()
-        assert why and "rank 0's forward failed midway" in why, (
-            f"after a forward rank 0 left midway, engine.fatal_error() should say the group stopped, and why: {why!r}"
-        )
-        with pytest.raises(TPGroupError, match="forward failed midway"):  # at once, not out of step with rank 1
-            engine.generate([[7, 8, 9]], greedy(2))
-    finally:
-        engine.shutdown()
-    left = [pid for pid in pids if pid_running(pid)]
-    assert not left, f"shutdown left rank processes running: {left}"

@@ -1,0 +1,43 @@
+"""Stage 12 (graded): a forward that fails on rank 0 after its broadcast stops the group.
+
+Its own module: one torch.distributed group per process, and test_tp_engine.py's groups live until
+that module ends."""
+
+from __future__ import annotations
+
+import pytest
+from tp_helpers import KNOBS, greedy, pid_running
+
+from s12_tensor_parallel.engine import TPEngine
+from s12_tensor_parallel.parallel_state import TPGroupError
+
+
+def test_a_forward_rank_0_leaves_midway_stops_the_group(tiny_models_root):
+    """The other ranks run every batch rank 0 broadcasts: a forward that fails on rank 0 after the
+    broadcast leaves them inside a collective, and a next step would pair its collectives with
+    theirs. So the group stops, naming why, and fails every later step at once."""
+    engine = TPEngine(str(tiny_models_root / "qwen2"), tp_size=2, tp_timeout_s=10, **KNOBS)
+    pids = engine.launcher.pids
+    try:
+        engine.generate([[1, 2, 3]], greedy(2))  # the group works
+        backend = engine.runner.attn_backend
+        real = backend.init_forward_metadata
+
+        def fails_once(batch):
+            backend.init_forward_metadata = real
+            raise RuntimeError("injected: rank 0 fails after the broadcast")
+
+        backend.init_forward_metadata = fails_once
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.generate([[4, 5, 6]], greedy(2))
+        engine.abort_failed_step()
+        why = engine.fatal_error()
+        assert why and "rank 0's forward failed midway" in why, (
+            f"after a forward rank 0 left midway, engine.fatal_error() should say the group stopped, and why: {why!r}"
+        )
+        with pytest.raises(TPGroupError, match="forward failed midway"):  # at once, not out of step with rank 1
+            engine.generate([[7, 8, 9]], greedy(2))
+    finally:
+        engine.shutdown()
+    left = [pid for pid in pids if pid_running(pid)]
+    assert not left, f"shutdown left rank processes running: {left}"
