@@ -116,7 +116,7 @@ class SchedulerProcess:
         iteration: it beats the heartbeat that /health reads, unless the engine can never step
         again (``fatal_error``): then it raises, and the process ends."""
         why = self.engine.fatal_error()
-        if why is not None:  # this process ends; the launcher answers every request with why, /health 503
+        if why is not None:  # this process ends with why, and the launcher stops the server (as for any dead worker)
             raise RuntimeError(f"the engine cannot run any more steps, so the scheduler stops: {why}")
         if self.heartbeats is not None:
             self.heartbeats.beat("scheduler")

@@ -117,8 +117,9 @@ class TPEngine(base.StructuredOutputEngine):
         self.shutdown()
 
     def fatal_error(self) -> str | None:
-        """A group that stopped (a rank died, a collective failed or timed out) cannot run another
-        step: the server ends its scheduler, so /health says why instead of every request failing."""
+        """A group that stopped (a rank died, a collective failed or timed out, rank 0's forward
+        failed midway) cannot run another step: a server stops, saying why, rather than fail every
+        later request while it looks healthy."""
         if self.tp is not None and self.tp.failed is not None:
             return f"the tensor-parallel group has stopped: {self.tp.failed}"
         return None
