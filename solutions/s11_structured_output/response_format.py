@@ -37,20 +37,17 @@ def check_response_format_keys(response_format: dict[str, Any] | None) -> None:
     kind = (response_format or {}).get("type")
     if response_format is None or kind not in RESPONSE_FORMAT_KEYS:
         return  # nothing to check, or a type that grammar_fields refuses itself
-    for key in response_format:
-        if key not in RESPONSE_FORMAT_KEYS[kind]:
-            raise InvalidRequest(
-                f"response_format.{key:.80}: not a field of a {kind} response_format (it takes "
-                f"{sorted(RESPONSE_FORMAT_KEYS[kind])})",
-                param=f"response_format.{key:.80}",
-            )
+    refuse_unknown_keys(response_format, RESPONSE_FORMAT_KEYS[kind], "response_format", f"a {kind} response_format")
     spec = response_format.get("json_schema")
-    for key in spec if isinstance(spec, dict) else ():
-        if key not in JSON_SCHEMA_KEYS:
+    if isinstance(spec, dict):
+        refuse_unknown_keys(spec, JSON_SCHEMA_KEYS, "response_format.json_schema", "json_schema")
+
+
+def refuse_unknown_keys(fields: dict[str, Any], allowed: set[str], where: str, what: str) -> None:
+    for key in fields:
+        if key not in allowed:
             raise InvalidRequest(
-                f"response_format.json_schema.{key:.80}: not a field of json_schema "
-                f"(it takes {sorted(JSON_SCHEMA_KEYS)})",
-                param=f"response_format.json_schema.{key:.80}",
+                f"{where}.{key:.80}: not a field of {what} (it takes {sorted(allowed)})", param=f"{where}.{key:.80}"
             )
 
 
