@@ -1,7 +1,8 @@
 """Stage 11's cache of compiled grammars is bounded: a client that sends ever new schemas or
-regexes cannot grow the scheduler without end (unbounded, 1,000 small regexes held ~50 MB and
-each 600 KB alternation ~20 MB, for good). Least recently used goes first; a Future a request
-already holds still resolves after its key is evicted."""
+regexes cannot grow the scheduler without end (unbounded, as measured on SmolLM2's tokenizer, 300
+small regexes held 13.9 MiB, 48 KiB each, and each 668k-character alternation 23.3 MiB, for good).
+Least recently used goes first; a Future a request already holds still resolves after its key is
+evicted."""
 
 from __future__ import annotations
 
