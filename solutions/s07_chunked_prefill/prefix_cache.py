@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import torch
 
 from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
-from s06_radix_cache.radix_cache import RadixCache
+from s06_radix_cache.radix_cache import RadixCache, check_present_covers_match
 
 
 class ChunkedPrefixCache(PrefixCache, Protocol):
@@ -53,7 +53,7 @@ class ChunkedRadixCache(RadixCache):
         # [#the-half-prefilled-request-chunked_req]
         aligned = len(token_ids) // self.page_size * self.page_size
         present = self.insert(token_ids[:aligned], slots[:aligned])
-        assert present >= match.cached_len, f"the tree lost a locked prefix ({present} < {match.cached_len} tokens)"
+        check_present_covers_match(present, match)
         self.allocator.free(slots[match.cached_len : present])
         new_match = self.match_prefix(token_ids[:aligned])
         # Lock first: between the two calls nothing on the request's path may become evictable.

@@ -42,6 +42,16 @@ from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
 from s05_continuous_batching.prefix_cache import PrefixMatch
 
 
+def check_present_covers_match(present: int, match: PrefixMatch) -> None:
+    """``present`` (what ``insert`` returned) covers the request's own match: that prefix is
+    locked, so it is still in the tree, and the slots of [match.cached_len, present) are freed."""
+    if present < match.cached_len:
+        raise AssertionError(
+            f"insert returned {present}, fewer than the {match.cached_len} tokens this request matched; they are "
+            "locked, so still in the tree: insert must return how many leading tokens the tree already held"
+        )
+
+
 class TreeNode:
     def __init__(
         self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0

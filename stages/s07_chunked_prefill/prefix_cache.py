@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 import torch
 
 from s05_continuous_batching.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
-from s06_radix_cache.radix_cache import RadixCache
+from s06_radix_cache.radix_cache import RadixCache, check_present_covers_match  # noqa: F401
 
 
 class ChunkedPrefixCache(PrefixCache, Protocol):

@@ -67,6 +67,41 @@ def test_divergence_inside_an_edge_splits_it():
     assert "lock 0" in cache.pretty(), f"pretty() should show each node's lock count:\n{cache.pretty()}"
 
 
+def test_insert_splits_the_edge_it_leaves_and_says_how_much_was_there():
+    # No match_prefix before these inserts (the test above has one, which splits the edge first):
+    # two requests that ran at the same time, so neither found the other's K/V, reach the tree one
+    # after the other, and the second leaves the first one's edge midway. insert itself must split.
+    allocator = TokenToKVPoolAllocator(64)
+    cache = watch_evict(RadixCache(allocator))
+    a = allocator.alloc_extend([0], [6], [0])
+    b = allocator.alloc_extend([0], [5], [0])
+    present = cache.insert([1, 2, 3, 4, 5, 6], a)
+    assert present == 0, f"insert into an empty tree should return 0 (no token was there already), got {present}"
+    present = cache.insert([1, 2, 3, 7, 8], b)
+    assert present == 3, (
+        f"after inserting [1, 2, 3, 4, 5, 6], insert([1, 2, 3, 7, 8]) should return 3: the leading tokens the tree "
+        f"already held, whose slots the caller then frees as duplicates; got {present}"
+    )
+    root_children = list(cache.root.children.values())
+    below = sorted(child.key for child in root_children[0].children.values()) if len(root_children) == 1 else None
+    assert [c.key for c in root_children] == [[1, 2, 3]] and below == [[4, 5, 6], [7, 8]], (
+        "inserting [1, 2, 3, 4, 5, 6] then [1, 2, 3, 7, 8] should leave the root one child [1, 2, 3] with [4, 5, 6] "
+        "and [7, 8] under it: the second insert leaves the edge [1..6] after 3 tokens, so insert splits it there "
+        f"(_split_node) and hangs [7, 8] at the split; got root children {[c.key for c in root_children]}"
+        + (f" with {below} under the first" if below is not None else "")
+    )
+    match = cache.match_prefix([1, 2, 3, 7, 8])
+    expected = a[:3].tolist() + b[3:].tolist()
+    assert match.cached_len == 5 and match.slots.tolist() == expected, (
+        f"match_prefix([1, 2, 3, 7, 8]) should find all 5 tokens in slots {expected} (the tree's own [1, 2, 3], then "
+        f"the second insert's [7, 8]); got {match.cached_len} tokens in slots {match.slots.tolist()}"
+    )
+    assert cache.evictable_size_ == 8, (
+        f"the tree holds 8 tokens that nobody locks, so evictable_size should be 8, got {cache.evictable_size_}"
+    )
+    cache.check()
+
+
 def test_duplicate_slots_are_freed_when_the_prefix_is_already_cached():
     allocator = TokenToKVPoolAllocator(64)
     cache = watch_evict(RadixCache(allocator))
