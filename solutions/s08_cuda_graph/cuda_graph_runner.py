@@ -240,6 +240,11 @@ class CudaGraphRunner:
     def replay_prepare(self, forward_batch: ForwardBatch) -> tuple[int, int]:
         """Copy the batch into the static buffers, pad it to its bucket, refill the backend's
         metadata; returns the bucket."""
+        if forward_batch.forward_mode is not ForwardMode.DECODE:
+            raise ValueError(
+                f"a batch in {forward_batch.forward_mode.name} mode cannot replay a decode graph (its buckets hold one "
+                "new token per request): can_run is False for it, so ModelRunner.forward runs it eagerly"
+            )
         n = forward_batch.num_reqs
         bucket = self.bucket_for(n, max(forward_batch.seq_lens))
         bs, kv_len = bucket
