@@ -122,8 +122,10 @@ def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
     rng = random.Random(seed)
     ids = random_output(rng)
     stops = rng.choice([[], ["ab"], ["\n", "é中"], ["ba b", "x"], ["☃☃"]])
+    stop_ids = rng.choice([[], byte_ids("b")])  # a stop token that is text, unlike EOS
     max_new = rng.randint(10, 40)
-    req = Req(f"r{seed}", [65], SamplingParams(max_new_tokens=max_new, stop=stops), tokenizer=tokenizer)
+    params = SamplingParams(max_new_tokens=max_new, stop=stops, stop_token_ids=stop_ids)
+    req = Req(f"r{seed}", [65], params, tokenizer=tokenizer)
     status = DecodeStatus(tokenizer, stops)
     sent = []
     for token in ids:
@@ -133,9 +135,18 @@ def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
         if req.finished:
             break
     final = req.output_text
-    what = f"seed {seed}: tokens {req.output_ids}, stop strings {stops}, finish {req.finished_reason}"
+    what = (
+        f"seed {seed}: tokens {req.output_ids}, stop strings {stops}, stop_token_ids {stop_ids}, "
+        f"finish {req.finished_reason}"
+    )
+    ended_by_token = req.finished_reason is not None and isinstance(req.finished_reason.matched, int)
     assert "".join(sent) == final, (
         f"{what}: the pieces joined give {''.join(sent)!r}, the offline engine's text is {final!r}"
+        + (
+            " (the request ended on a stop token or EOS, which is not text: the text ends before it)"
+            if ended_by_token
+            else ""
+        )
     )
     for step in range(len(sent)):
         so_far = "".join(sent[: step + 1])
