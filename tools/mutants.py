@@ -522,6 +522,32 @@ MUTANTS: list[Mutant] = [
         ),
         r"duplicate",
     ),
+    Mutant(
+        "s06-insert-no-split",
+        "s06_radix_cache/radix_cache.py",
+        "an insert that leaves an edge midway splits it there, so the new tokens hang where the match ends",
+        edit(
+            """            if n < len(child.key):
+                child = self._split_node(child, n)
+            present += n""",
+            """            present += n""",
+        ),
+        r"split",
+    ),
+    Mutant(
+        "s06-insert-returns-nothing-present",
+        "s06_radix_cache/radix_cache.py",
+        "insert returns how many leading tokens the tree already held, so the caller frees its copies of them",
+        edit("            present += n\n", ""),
+        r"already|duplicate|insert",
+    ),
+    Mutant(
+        "s06-insert-leaf-not-evictable",
+        "s06_radix_cache/radix_cache.py",
+        "a new leaf is evictable (nobody locks it yet): evictable_size counts its tokens",
+        edit("            self.evictable_size_ += len(key)\n", ""),
+        r"evictable",
+    ),
     # --- stage 7: chunked prefill -------------------------------------------------------------
     Mutant(
         "s07-no-chunking",
@@ -658,6 +684,26 @@ MUTANTS: list[Mutant] = [
         ),
         r"in place|copy_|replaced|address",
     ),
+    Mutant(
+        "s08-decode-unmasked",
+        "s08_cuda_graph/decode_attention.py",
+        "a decode row attends only to its own keys: the key mask hides the padding of shorter rows",
+        edit(
+            "q[:, :, None, :], keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True",
+            "q[:, :, None, :], keys, values, enable_gqa=True",
+        ),
+        r"mask|attend_decode",
+    ),
+    Mutant(
+        "s08-no-eager-fallback",
+        "s08_cuda_graph/model_runner.py",
+        "a batch no graph can run (a prefill, or more requests than the largest bucket) runs eagerly",
+        edit(
+            "if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):",
+            "if self.cuda_graph_runner is not None:",
+        ),
+        r"eager|can_run|bucket",
+    ),
     # --- stage 9: serving (regions away from the scheduler process's lifecycle) ---------------
     Mutant(
         "s09-no-hold-back",
@@ -720,6 +766,72 @@ MUTANTS: list[Mutant] = [
             "            (\n                (\n                    [rid],",
         ),
         r"abort|detokenizer",
+    ),
+    Mutant(
+        "s09-stop-token-shown",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "a matched stop token (or EOS) ends the text and is not part of it",
+        edit(
+            "            final = detok.flush(self.output_ids[:-1])", "            final = detok.flush(self.output_ids)"
+        ),
+        r"stop token|stop_token|EOS",
+    ),
+    Mutant(
+        "s09-stop-string-kept",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "the final text ends before a matched stop string",
+        edit(
+            """            if self.stop_pos is not None:
+                final = detok.text[: self.stop_pos]
+            else:
+                final = detok.flush(self.output_ids)""",
+            """            final = detok.flush(self.output_ids)""",
+        ),
+        r"stop",
+    ),
+    Mutant(
+        "s09-loop-always-blocks",
+        "s09_zmq_serving/scheduler_process.py",
+        "the loop waits for messages only when it has no work; with requests running it only polls",
+        edit("self.recv_requests(block=not self.engine.has_work)", "self.recv_requests(block=True)"),
+        r"block|wait|poll|loop",
+    ),
+    Mutant(
+        "s09-loop-never-blocks",
+        "s09_zmq_serving/scheduler_process.py",
+        "an idle loop sleeps in recv until a message comes, instead of spinning on a core",
+        edit("self.recv_requests(block=not self.engine.has_work)", "self.recv_requests(block=False)"),
+        r"block|idle|spin|CPU",
+    ),
+    Mutant(
+        "s09-unservable-kills-the-loop",
+        "s09_zmq_serving/scheduler_process.py",
+        "a request that can never be served gets a 400 with the engine's reason; the loop goes on",
+        edit(
+            """        try:
+            self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)
+        except ValueError as error:
+            self.send_to_detokenizer.send_pyobj(ErrorOut(req.rid, str(error), 400))""",
+            """        self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)""",
+        ),
+        r"400|context|served",
+    ),
+    Mutant(
+        "s09-abort-only-forgets",
+        "s09_zmq_serving/scheduler_process.py",
+        "an abort ends the request IN THE ENGINE (its KV is freed), not only in the scheduler's own table",
+        edit(
+            "        if self.engine.abort_request(rid):\n            req = self.reqs.pop(rid)",
+            "        if rid in self.reqs:\n            req = self.reqs.pop(rid)",
+        ),
+        r"abort|untracked|no longer tracks",
+    ),
+    Mutant(
+        "s09-no-usage-chunk",
+        "s09_zmq_serving/api_server.py",
+        "with stream_options.include_usage the stream's last chunk before [DONE] carries the token counts",
+        edit("    if include_usage and last is not None:", "    if False:"),
+        r"usage",
     ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
     Mutant(
@@ -861,6 +973,13 @@ MUTANTS: list[Mutant] = [
         "response_format json_object constrains the output to a JSON object",
         edit('        return {"json_schema": JSON_OBJECT_SCHEMA}\n', "        return {}\n"),
         r"json_object|JSON",
+    ),
+    Mutant(
+        "s11-grammar-never-advanced",
+        "s11_structured_output/scheduler.py",
+        "every sampled token moves its request's grammar on, so the next mask allows what may follow it",
+        edit("                req.grammar.accept_token(token_id)", "                pass"),
+        r"grammar|accept",
     ),
     # --- stage 12: tensor parallelism ------------------------------------------------------------
     Mutant(

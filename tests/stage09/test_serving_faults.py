@@ -61,6 +61,11 @@ def test_a_step_that_raises_aborts_its_requests_and_frees_their_kv(tiny_models_r
     elif where == "admission":
         for rid in ("a", "b"):  # nobody holds memory now, so the failed step has no request of its own
             scheduler.abort_request(rid)
+        assert not engine.has_work and not scheduler.reqs, (
+            "abort_request must end the request in the engine (engine.abort_request: its KV is freed at once), then "
+            f"forget it; after aborting 'a' and 'b' the scheduler still tracks {sorted(scheduler.reqs)} and the "
+            f"engine still has work: {scheduler.debug_state()}"
+        )
         add("waits", b"three", temperature=0, max_new_tokens=5)
 
         def failing_admit(*args, **kwargs):  # once, as a learner's unfinished admission would
