@@ -8,7 +8,8 @@ is a daemonic multiprocessing child, and those may not start children of their o
 ``torchrun --nproc-per-node N -m s12_tensor_parallel`` torchrun starts every rank: rank 0 runs
 the engine, which only joins, and the others run the follower loop.
 
-A watchdog thread per rank notes the moment one exits while the group is in use; the next
+A watchdog thread per rank copies its stderr to ours and notes the moment it fails (the line a
+failing follower prints says why) or exits while the group is in use; the next
 collective then fails with a message naming that rank (parallel_state.py), and every follower
 exits when rank 0 goes (tp_worker.py). ``stop`` tells the followers to leave, waits a bounded
 time, and kills any that did not: no process is left behind.
@@ -39,6 +40,12 @@ STOP_TIMEOUT_S = 10.0  # a follower that has not left this long after "stop" is 
 def launched_by_torchrun() -> bool:
     """Whether torchrun started this process (it sets TORCHELASTIC_RUN_ID for every rank)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def failure_line(rank: int) -> str:
+    """How a follower that fails starts the line it prints on stderr (tp_worker.py): rank 0's
+    watchdog reads that line as the reason the group stopped."""
+    return f"tensor-parallel rank {rank} failed: "
 
 
 def free_port() -> int:
@@ -78,16 +85,30 @@ class TPLauncher:
                 TP_DEVICE=self.device.type,
                 TP_TIMEOUT_S=str(self.timeout_s),
             )
-            self.procs.append(subprocess.Popen([sys.executable, "-m", f"{__package__}.tp_worker"], env=env))
+            command = [sys.executable, "-m", f"{__package__}.tp_worker"]
+            proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+            self.procs.append(proc)
         tp = init_tp_group(0, self.tp_size, self.device, "127.0.0.1", port, self.timeout_s)
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self.watch, args=(tp, rank, proc), name=f"watch-rank-{rank}", daemon=True).start()
         return tp
 
     def watch(self, tp: TPGroup, rank: int, proc: subprocess.Popen) -> None:
+        """Copy the rank's stderr to ours as it comes, and note in ``tp.failed`` why the rank
+        stopped while the group was in use: the reason a failing follower prints (it comes before
+        the follower's sockets close, so rank 0's failed collective can quote it), else its exit."""
+        assert proc.stderr is not None
+        prefix = failure_line(rank)
+        for line in proc.stderr:  # until the rank exits and its end of the pipe closes
+            sys.stderr.write(line)
+            if line.startswith(prefix):
+                self.note_failure(tp, f"rank {rank} (pid {proc.pid}) failed: {line[len(prefix) :].strip()}")
         code = proc.wait()
-        if not self.stopping and tp.failed is None:
-            tp.failed = f"rank {rank} (pid {proc.pid}) exited with code {code}"
+        self.note_failure(tp, f"rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def note_failure(self, tp: TPGroup, why: str) -> None:
+        if not self.stopping and tp.failed is None:  # the first reason is the cause; the rest follow from it
+            tp.failed = why
 
     @property
     def pids(self) -> list[int]:

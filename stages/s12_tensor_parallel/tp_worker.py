@@ -25,13 +25,16 @@ import os
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from s00_foundation.device import set_torch_threads
 from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 
+from .launch import failure_line
 from .parallel_state import DEFAULT_TIMEOUT_S, TPGroup, destroy_tp_group, init_tp_group_from_env
 from .weight_loader import load_tp_model
 
@@ -105,6 +108,20 @@ def watch_parent() -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
+def where_it_failed(error: BaseException) -> str:
+    """' (at s12_tensor_parallel/layers.py:150 in VocabParallelEmbedding.forward)': the innermost
+    frame of the course's own code (this package's parent folder, solutions/ or stages/), where
+    the bug most likely is; '' if none (the error came from elsewhere)."""
+    root = Path(__file__).resolve().parents[1]
+    where = ""
+    for frame, line in traceback.walk_tb(error.__traceback__):
+        path = Path(frame.f_code.co_filename).resolve()
+        if path.is_relative_to(root):
+            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # co_qualname: Python 3.11+
+            where = f" (at {path.relative_to(root).as_posix()}:{line} in {name})"
+    return where
+
+
 def follower_main() -> int:
     from .model_runner import make_tp_runner  # it imports this module: import it when run
 
@@ -125,7 +142,9 @@ def follower_main() -> int:
             tp.barrier()  # ready: rank 0's engine is built once every rank is
             follower_loop(runner, tp)
     except Exception as error:
-        print(f"tensor-parallel rank {rank}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        # Rank 0's watchdog reads this line as the reason the group stopped (launch.py).
+        why = f"{type(error).__name__}: {error}{where_it_failed(error)}"
+        print(failure_line(rank) + why, file=sys.stderr, flush=True)
         return 1
     destroy_tp_group(tp)
     return 0
