@@ -109,6 +109,11 @@ class Grammar:
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens of the next step into ``bitmask[row]`` (int32, 32 tokens per
         word, bit j of word w is token 32*w + j)."""
+        if not 0 <= row < bitmask.shape[0]:
+            raise IndexError(
+                f"bitmask row {row} of {bitmask.shape[0]}: the bitmask has one row per constrained request "
+                "(the i-th constrained request of the batch fills row i), not one per row of the batch"
+            )
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask.numpy(), row)  # the tensor's own memory
 
     def rollback_to(self, num_tokens: int) -> None:
