@@ -13,7 +13,7 @@ learner would read first). A mutant is
 
 It prints one line per mutant, the kill rate per stage and every mutant not killed. A full run
 takes about half an hour on a 2-core machine, so CI only checks that every mutant still applies
-to the current solutions (tests/course/test_mutants.py).
+to the current solutions and that every exercise region has one (tests/course/test_mutants.py).
 
     python tools/mutants.py [--stages 5-7] [--only NAME ...]    # `make mutants` runs them all
     python tools/mutants.py --list                              # the catalogue, no tests run
@@ -194,6 +194,13 @@ MUTANTS: list[Mutant] = [
             "if last in params.stop_token_ids or last in self.eos_token_ids:",
         ),
         r"ignore_eos",
+    ),
+    Mutant(
+        "s02-last-stop-wins",
+        "s02_request_and_sampling/req.py",
+        "when several stop strings complete, the one that STARTS first ends the text",
+        edit("    pos, stop = min(hits, key=lambda hit: hit[0])", "    pos, stop = max(hits, key=lambda hit: hit[0])"),
+        r"stop",
     ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
@@ -447,6 +454,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"finished",
     ),
+    Mutant(
+        "s05-release-keeps-the-match",
+        "s05_continuous_batching/scheduler.py",
+        "a released request forgets its row, its match and its cached length: a retracted one starts from nothing",
+        edit(
+            "        req.req_pool_idx, req.prefix_match, req.cached_len = None, None, 0\n",
+            "        req.req_pool_idx = None\n",
+        ),
+        r"retract|cached_len|prefix_match|release",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(
         "s06-evict-a-parent-with-children",
@@ -548,6 +565,20 @@ MUTANTS: list[Mutant] = [
         edit("            self.evictable_size_ += len(key)\n", ""),
         r"evictable",
     ),
+    Mutant(
+        "s06-partial-page-kept",
+        "s06_radix_cache/radix_cache.py",
+        "a leaving request's last, partly filled page is freed: the tree holds whole pages only",
+        edit("            self.allocator.free(slots[aligned:])\n        else:", "        else:"),
+        r"page|leak|free",
+    ),
+    Mutant(
+        "s06-never-unlocked",
+        "s06_radix_cache/radix_cache.py",
+        "a leaving request unlocks its match, so the prefix it used becomes evictable again",
+        edit("        self.unlock(match)\n        # END EXERCISE", "        # END EXERCISE"),
+        r"unlock|lock|evictable|protected",
+    ),
     # --- stage 7: chunked prefill -------------------------------------------------------------
     Mutant(
         "s07-no-chunking",
@@ -640,6 +671,17 @@ MUTANTS: list[Mutant] = [
             "bs = self.capture_bs[min(bisect.bisect_right(self.capture_bs, num_reqs), len(self.capture_bs) - 1)]",
         ),
         r"bucket|smallest",
+    ),
+    Mutant(
+        "s08-kv-bucket-too-big",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a batch runs in the SMALLEST key-length bucket that holds its longest sequence",
+        edit(
+            "kv_len = self.capture_kv_lens[bisect.bisect_left(self.capture_kv_lens, max_seq_len)]",
+            "kv_len = self.capture_kv_lens[min(bisect.bisect_right(self.capture_kv_lens, max_seq_len), "
+            "len(self.capture_kv_lens) - 1)]",
+        ),
+        r"bucket|kv_len|smallest",
     ),
     Mutant(
         "s08-full-batch-runs-eager",
@@ -905,6 +947,16 @@ MUTANTS: list[Mutant] = [
         r"past the mask",
     ),
     Mutant(
+        "s11-bitmask-row-of-the-batch",
+        "s11_structured_output/vocab_mask.py",
+        "the bitmask holds one row per CONSTRAINED request (row i of it is the i-th constrained row of the batch)",
+        edit(
+            "            reqs[row].grammar.fill_mask(bitmask, i)",
+            "            reqs[row].grammar.fill_mask(bitmask, row)",
+        ),
+        r"bitmask|mask|row",
+    ),
+    Mutant(
         "s11-sample-unmasked",
         "s11_structured_output/vocab_mask.py",
         "the masked rows go back into the logits the sampler reads",
@@ -1018,6 +1070,16 @@ MUTANTS: list[Mutant] = [
         r"embedding|all-reduce|vocab",
     ),
     Mutant(
+        "s12-embedding-global-ids",
+        "s12_tensor_parallel/layers.py",
+        "a rank's embedding shard is indexed by ids minus the shard's first id",
+        edit(
+            "        local = torch.where(mine, ids - self.shard.start, 0)",
+            "        local = torch.where(mine, ids, 0)",
+        ),
+        r"embedding|shard|vocab",
+    ),
+    Mutant(
         "s12-padding-kept",
         "s12_tensor_parallel/layers.py",
         "the gathered logits lose the padding rows past the vocabulary",
@@ -1075,7 +1137,8 @@ def mutate(mutant: Mutant, text: str) -> str:
 
 def check_all(solutions: Path) -> list[str]:
     """Every problem with the catalogue against ``solutions``: edits that no longer apply, a
-    mutant that does not compile, duplicate names, a stage with fewer than five mutants."""
+    mutant that does not compile, duplicate names, a stage with fewer than five mutants, an
+    exercise region no mutant edits (``unmutated_regions``)."""
     problems, names = [], set()
     for mutant in MUTANTS:
         if mutant.name in names:
@@ -1091,10 +1154,35 @@ def check_all(solutions: Path) -> list[str]:
             problems.append(
                 str(error) if isinstance(error, ValueError) else f"{mutant.name}: the mutant does not compile: {error}"
             )
-    for stage in range(1, 10):
+    for stage in range(1, 13):
         count = sum(m.stage == stage for m in MUTANTS)
         if count < 5:
             problems.append(f"stage {stage}: {count} mutants, the course keeps at least 5 per stage")
+    return problems + unmutated_regions(solutions)
+
+
+# Exercise regions no mutant edits, each with the reason: the course's grading runs on a CPU.
+NO_MUTANT = {
+    ("s08_cuda_graph/cuda_graph_runner.py", "warm up, then capture one bucket's decode pass"): (
+        "it runs only on CUDA: on a CPU the runner runs the same static batch eagerly, so no CPU test reaches it "
+        "(tests/gpu and make gpu-check do)"
+    ),
+}
+
+
+def unmutated_regions(solutions: Path) -> list[str]:
+    """Every exercise region of ``solutions`` that no mutant edits and NO_MUTANT does not excuse:
+    a learner's bug there would be graded by tests nobody has checked against a bug."""
+    problems = []
+    for path in sorted(solutions.rglob("*.py")):
+        text = path.read_text()
+        file = path.relative_to(solutions).as_posix()
+        edited = [text.find(old) for mutant in MUTANTS if mutant.file == file for old, _ in mutant.edits]
+        for start, end in exercise_spans(text):
+            title = text[:start].splitlines()[-1].strip()[len(BEGIN) :].split(" [#")[0].strip()
+            if (file, title) not in NO_MUTANT and not any(start <= at < end for at in edited):
+                line = text.count("\n", 0, start)
+                problems.append(f"solutions/{file}:{line}: no mutant edits the exercise region '{title}'")
     return problems
 
 
