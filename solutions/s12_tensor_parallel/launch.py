@@ -100,7 +100,10 @@ class TPLauncher:
         assert proc.stderr is not None
         prefix = failure_line(rank)
         for line in proc.stderr:  # until the rank exits and its end of the pipe closes
-            sys.stderr.write(line)
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):  # our stderr is gone: read on, or the rank would block writing its own
+                pass
             if line.startswith(prefix):
                 self.note_failure(tp, f"rank {rank} (pid {proc.pid}) failed: {line[len(prefix) :].strip()}")
         code = proc.wait()
