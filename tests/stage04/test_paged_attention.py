@@ -53,6 +53,21 @@ def test_one_batch_mixing_prefill_extend_and_decode(tiny_model_dir, page_size):
         f"the mixed batch should send {[len(A) - 13, 1, len(C)]} new tokens after {[13, len(B), 0]} cached ones, "
         f"your prepare_forward built extend_lens={batch.extend_lens}, prefix_lens={batch.prefix_lens}"
     )
+    # Attention reads K/V through the table: each request's new slots must sit at their positions.
+    table = engine.runner.req_to_token_pool.req_to_token
+    start = 0
+    for r, prefix, seq in zip((a, b, c), batch.prefix_lens, batch.seq_lens):
+        new, row = (
+            batch.out_cache_loc[start : start + seq - prefix].tolist(),
+            table[r.req_pool_idx, prefix:seq].tolist(),
+        )
+        wrong = [i for i in range(len(new)) if row[i] != new[i]]
+        assert not wrong, (
+            f"request {r.rid}: its req_to_token row should hold the slots of its new tokens (out_cache_loc, in order) "
+            f"at positions {prefix}..{seq - 1}, written before the pass; position {prefix + wrong[0]} holds "
+            f"{row[wrong[0]]}, not {new[wrong[0]]} ({len(wrong)} of {len(new)} positions wrong)"
+        )
+        start += seq - prefix
     cases = [("A: extend after a cached prefix of 13", A), ("B: decode", B + [ord("!")]), ("C: prefill", C)]
     for row, (what, sequence) in enumerate(cases):
         torch.testing.assert_close(
@@ -64,7 +79,6 @@ def test_one_batch_mixing_prefill_extend_and_decode(tiny_model_dir, page_size):
                 f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}"
             ),
         )
-    table = engine.runner.req_to_token_pool.req_to_token
     owners = [table[r.req_pool_idx, : r.cached_len] for r in (a, b, c)]
     engine.runner.allocator.check_invariants(owners)
 
