@@ -202,6 +202,13 @@ MUTANTS: list[Mutant] = [
         edit("    pos, stop = min(hits, key=lambda hit: hit[0])", "    pos, stop = max(hits, key=lambda hit: hit[0])"),
         r"stop",
     ),
+    Mutant(
+        "s02-top-p-zero-allowed",
+        "s02_request_and_sampling/sampling_params.py",
+        "top_p must be in (0, 1]: 0 would keep no token at all",
+        edit("        if not 0 < self.top_p <= 1:", "        if not 0 <= self.top_p <= 1:"),
+        r"top_p",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
         "s03-attend-new-tokens-only",
@@ -260,6 +267,13 @@ MUTANTS: list[Mutant] = [
         "generation stops at an EOS id (and keeps it), like stage 1",
         edit("if next_id in eos_token_ids or step == max_new_tokens - 1:", "if step == max_new_tokens - 1:"),
         r"EOS|goes on with",
+    ),
+    Mutant(
+        "s03-reserve-the-new-tokens-only",
+        "s03_kv_cache/generate.py",
+        "a cache must hold its stored prefix AND the new tokens: reserve seq_len + the new count",
+        edit("        cache.reserve(cache.seq_len + len(ids))", "        cache.reserve(len(ids))"),
+        r"reserve|capacity|grow",
     ),
     # --- stage 4: the paged KV pool -----------------------------------------------------------
     Mutant(
@@ -325,7 +339,7 @@ MUTANTS: list[Mutant] = [
         "s04_paged_kv_pool/engine.py",
         "the request's new slots go into its req_to_token row BEFORE the pass: attention reads K/V through the table",
         edit("        table[row, prefix_len:seq_len] = out_cache_loc[start : start + seq_len - prefix_len]\n", ""),
-        r"logits differ from transformers|step \d+: your engine produced",
+        r"table|req_to_token",
     ),
     Mutant(
         "s04-not-marked-cached",
@@ -363,6 +377,16 @@ MUTANTS: list[Mutant] = [
             "kv_indptr = torch.tensor([0, *batch.extend_lens]",
         ),
         r"kv_indptr",
+    ),
+    Mutant(
+        "s04-table-row-from-zero",
+        "s04_paged_kv_pool/engine.py",
+        "a request's new slots go into its table row at their positions [prefix_len, seq_len)",
+        edit(
+            "        table[row, prefix_len:seq_len] = out_cache_loc[start : start + seq_len - prefix_len]",
+            "        table[row, : seq_len - prefix_len] = out_cache_loc[start : start + seq_len - prefix_len]",
+        ),
+        r"table|req_to_token",
     ),
     # --- stage 5: continuous batching ---------------------------------------------------------
     Mutant(
@@ -983,6 +1007,13 @@ MUTANTS: list[Mutant] = [
         "a retracted request keeps its grammar, rolled back to its kept tokens, for when it is readmitted",
         edit('if why == "retracted":', "if False:"),
         r"retract|rolled back",
+    ),
+    Mutant(
+        "s11-two-grammars",
+        "s11_structured_output/sampling_params.py",
+        "a request follows one grammar: json_schema and regex together are refused",
+        edit("        if self.json_schema is not None and self.regex is not None:", "        if False:"),
+        r"json_schema|regex|one grammar",
     ),
     Mutant(
         "s11-grammar-with-ignore-eos",
