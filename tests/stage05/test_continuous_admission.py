@@ -212,6 +212,24 @@ def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_mode
     )
 
 
+def test_a_prompt_the_cache_holds_whole_still_computes_its_last_token(tiny_models_root):
+    # The cache holds a 16-token prefix and the prompt IS that prefix. Its first output token comes
+    # from the logits at its last prompt token, so at least that token must be computed: the match
+    # is looked up for all tokens but the last (the stand-in cache then matches nothing).
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=80, max_running_requests=4, max_context_len=128)
+    prefix = list(range(40, 56))
+    scheduler = Scheduler(runner, prefix_cache=OnePrefixCache(runner.allocator, prefix))
+    scheduler.add_request(Req(0, list(prefix), greedy(2)))
+    [req] = scheduler.admit_new_requests()
+    computed = req.device_len - req.cached_len
+    assert computed >= 1, (
+        f"a prompt of {len(prefix)} tokens, all of them cached, was admitted to compute {computed} tokens "
+        f"(cached_len {req.cached_len}, device_len {req.device_len}): its last token must always be computed, "
+        "since its logits give the first output token. Match the prefix of fill_ids[:-1], not of the whole prompt"
+    )
+
+
 def test_a_request_whose_future_does_not_fit_waits_while_another_runs(tiny_models_root):
     # Pool of 64 slots, new_token_ratio=1: request 0 (8 prompt tokens, 8 new) keeps 8 + 7 = 15 slots,
     # leaving 49. Request 1's prompt (20 tokens) fits in 49, but with the 30 tokens it may still
