@@ -488,6 +488,26 @@ MUTANTS: list[Mutant] = [
         ),
         r"retract|cached_len|prefix_match|release",
     ),
+    Mutant(
+        "s05-no-running-cap",
+        "s05_continuous_batching/scheduler.py",
+        "admission stops at max_running_requests requests running at once",
+        edit(
+            "        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:",
+            "        while self.waiting:",
+        ),
+        r"max_running_requests",
+    ),
+    Mutant(
+        "s05-match-the-whole-prompt",
+        "s05_continuous_batching/scheduler.py",
+        "a prompt's last token is always computed (its logits give the next token): match all but the last token",
+        edit(
+            "            match = self.prefix_cache.match_prefix(req.fill_ids[:-1])",
+            "            match = self.prefix_cache.match_prefix(req.fill_ids)",
+        ),
+        r"last token",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(
         "s06-evict-a-parent-with-children",
