@@ -33,9 +33,12 @@ def test_capture_batch_sizes(max_bs, expected):
 
 
 def test_kv_len_buckets_double_up_to_the_table_width():
-    assert kv_len_buckets(1000) == [64, 128, 256, 512, 1000]
-    assert kv_len_buckets(256) == [64, 128, 256]
-    assert kv_len_buckets(40) == [40]
+    for width, expected in [(1000, [64, 128, 256, 512, 1000]), (256, [64, 128, 256]), (40, [40])]:
+        got = kv_len_buckets(width)
+        assert got == expected, (
+            f"kv_len_buckets({width}) should be {expected}: key lengths doubling from 64 while below the table "
+            f"width, then the width itself, so every sequence the table holds has a bucket; got {got}"
+        )
 
 
 def test_key_lengths_stop_at_cuda_graph_max_kv_len(tiny_models_root):

@@ -25,7 +25,14 @@ def test_future_map_resolves_placeholders_only():
     futures.store(first, torch.tensor([17, 99]))
     futures.store(second, torch.tensor([5, 0]))
     ids = torch.tensor([3, -2, 250, -1, -4, 0, -3])
-    futures.resolve(ids)
+    try:
+        futures.resolve(ids)
+    except IndexError as error:
+        raise AssertionError(
+            f"resolve({[3, -2, 250, -1, -4, 0, -3]}) with 4 stored tokens raised IndexError ({error}): a future id -k "
+            "names slot k of the buffer (index with the NEGATED id), and a real token id (>= 0) is no index at all: "
+            "look up only where the id is negative"
+        ) from error
     assert ids.tolist() == [3, 99, 250, 17, 0, 0, 5], (
         "resolve must replace each negative id -k by the token stored at k and leave every real token id as it is, "
         f"in place; got {ids.tolist()}"
