@@ -44,7 +44,7 @@ class Mutant:
     file: str  # under solutions/, e.g. "s05_continuous_batching/scheduler.py"
     idea: str  # the idea the bug breaks, in a learner's words
     edits: tuple[tuple[str, str], ...]  # (old, new): each old occurs once, inside an exercise region
-    named: str  # a regex the first failure's text must match (case-insensitive): it names the idea
+    named: str  # a regex the first failure's message must match (case-insensitive): it names the idea
 
     @property
     def stage(self) -> int:
@@ -1288,7 +1288,9 @@ def run_mutant(mutant: Mutant, work: Path, solutions: Path) -> tuple[str, str, f
             return "SURVIVED", "", seconds
         return "unnamed", f"pytest exited {done.returncode} without a failed test: {done.stdout[-300:]}", seconds
     test, said = failure
-    verdict = "killed" if re.search(mutant.named, f"{test}\n{said}", re.IGNORECASE | re.DOTALL) else "unnamed"
+    # The message alone: a test whose name happens to hold the pattern (a fault test "aborts_its_requests")
+    # would otherwise count as naming an idea its message never states.
+    verdict = "killed" if re.search(mutant.named, said, re.IGNORECASE | re.DOTALL) else "unnamed"
     return verdict, f"{test.rsplit('.', 1)[-1]}: {' '.join(said.split())[:400]}", seconds
 
 
