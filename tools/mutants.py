@@ -790,7 +790,7 @@ MUTANTS: list[Mutant] = [
         ),
         r"eager|can_run|bucket",
     ),
-    # --- stage 9: serving (regions away from the scheduler process's lifecycle) ---------------
+    # --- stage 9: serving ----------------------------------------------------------------------
     Mutant(
         "s09-no-hold-back",
         "s09_zmq_serving/detokenizer_manager.py",
