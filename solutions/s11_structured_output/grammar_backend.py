@@ -125,11 +125,6 @@ class Grammar:
             self.num_tokens = num_tokens
         # END EXERCISE
 
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and admits nothing more (only EOS comes next)."""
-        return self.matcher.is_stopped()
-
 
 class GrammarCache:
     """The compiled grammars (Futures) by key, bounded: at most ``max_grammars`` of them and

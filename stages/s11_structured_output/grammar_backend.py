@@ -122,11 +122,6 @@ class Grammar:
             "Stage 11: roll the matcher back to the tokens the request keeps - see stages/s11_structured_output/README.md#retraction-and-abort"  # noqa: E501 (one message, the learner's to read whole)
         )
 
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and admits nothing more (only EOS comes next)."""
-        return self.matcher.is_stopped()
-
 
 class GrammarCache:
     """The compiled grammars (Futures) by key, bounded: at most ``max_grammars`` of them and
