@@ -262,6 +262,13 @@ MUTANTS: list[Mutant] = [
         r"cached",
     ),
     Mutant(
+        "s03-positions-from-zero",
+        "s03_kv_cache/generate.py",
+        "new tokens sit at positions after the cached ones: a decode token's position is the cache's seq_len, not 0",
+        edit("new_token_ids, [cache.seq_len for cache in caches],", "new_token_ids, [0 for cache in caches],"),
+        r"position|prefix",
+    ),
+    Mutant(
         "s03-no-eos-stop",
         "s03_kv_cache/generate.py",
         "generation stops at an EOS id (and keeps it), like stage 1",
@@ -974,6 +981,30 @@ MUTANTS: list[Mutant] = [
         "a finished request drops the position the extra step stored: the tree gets what stage 8 inserts",
         edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len"),
         r"tree|insert|extra",
+    ),
+    Mutant(
+        "s10-abort-drops-a-real-token",
+        "s10_overlap_scheduling/scheduler.py",
+        "an aborted request keeps the K/V of every token it computed; only a finished one drops the extra position",
+        edit("keep = req.cached_len if aborted else req.cached_len - 1", "keep = req.cached_len - 1"),
+        r"abort",
+    ),
+    Mutant(
+        "s10-extra-page-not-freed",
+        "s10_overlap_scheduling/scheduler.py",
+        "the page that only the dropped position used is freed with it",
+        edit("        if first_free < req.cached_len:\n", "        if False:\n"),
+        r"leak|free|slot",
+    ),
+    Mutant(
+        "s10-never-wait",
+        "s10_overlap_scheduling/scheduler.py",
+        "a half-prefilled request's next chunk (or a retraction) waits for the step in flight, which stores its start",
+        edit(
+            "        if self.last is not None and self.must_wait_for_last():\n            outputs +=",
+            "        if False:\n            outputs +=",
+        ),
+        r"chunk|retract|wait",
     ),
     # --- stage 11: structured output ----------------------------------------------------------------
     Mutant(

@@ -37,7 +37,8 @@ class KVCacheBackend(AttentionBackend):
             # positions nobody wrote, an overlap would overwrite K/V that are already final.
             if prefix_len != cache.seq_len:
                 raise ValueError(
-                    f"request {i}: the batch says {prefix_len} tokens are cached, the cache holds {cache.seq_len}"
+                    f"request {i}: the batch says {prefix_len} tokens are cached (its prefix_lens), the cache holds "
+                    f"{cache.seq_len}: the new tokens' positions start at the cache's seq_len"
                 )
             if seq_len > cache.capacity:
                 raise ValueError(

@@ -160,8 +160,16 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         """Build the next step (stage 5-7's retract and admit) and hand it to the worker.
         None if nothing can run now (everything waits for the step in flight)."""
         start = self.clock()
+        if self.last is not None and self.must_wait_for_last():
+            # Building now would read what the step in flight has not stored yet (a half-prefilled
+            # request's next chunk starts from it) or retract requests whose rows it still reads.
+            raise RuntimeError(
+                "the next step is built while the step in flight "
+                + ("left a request half prefilled" if self.last.chunked else "leaves the pool short (a retraction)")
+                + ": step() must process the step in flight first whenever must_wait_for_last() says so"
+            )
         short = self.next_pass_slots(self.decoding_reqs()) > self.available_slots()
-        retracted = self.retract_for_decode() if short else []  # only after must_wait_for_last: nothing in flight
+        retracted = self.retract_for_decode() if short else []  # nothing is in flight (checked above)
         if short:
             self.check_room_after_retraction()
         for req in retracted:  # stage 5's step() does the same bookkeeping

@@ -3,7 +3,8 @@
 - A request that finishes at step N (a stop token, a stop string) was already scheduled for step
   N+1: its stream ends at step N, step N+1's token for it is dropped, its slots and table row are
   freed, and the radix tree ends up holding exactly what stage 8's does.
-- Aborts of a request in the step in flight, of a half-prefilled one and of a waiting one.
+- Aborts of a request in the step in flight, of a half-prefilled one and of a waiting one; an
+  abort in flight keeps the K/V the step in flight computed.
 - Everything else stays token-identical to transformers, and the invariants hold after every step.
 """
 
@@ -137,6 +138,27 @@ def test_aborts_in_flight_half_prefilled_and_waiting(tiny_models_root, disable_o
     assert seen[0][0] == "running" and seen[1][0] == "half" and seen[4][0] == "waiting", f"{what}: test set-up: {seen}"
     if not disable_overlap:
         assert seen[0][1], f"{what}: request 0 was meant to be aborted while in the step in flight (test set-up)"
+    assert_pool_free_after_tree(engine, what)
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_an_abort_in_flight_leaves_every_token_it_computed_in_the_tree(tiny_models_root, disable_overlap):
+    """Under overlap the step in flight has written the K/V of the aborted request's newest real
+    token (only the token it samples is dropped), so the tree gets all of its tokens; without
+    overlap, as in stage 8, that token was never fed back and the tree gets all but it."""
+    path = tiny_models_root / "llama"
+    what = f"llama, abort, {'no ' if disable_overlap else ''}overlap"
+    prompt = random_prompt(7, seed=11)
+    engine = engine_on(path, disable_overlap=disable_overlap, pool_size=256, page_size=1)
+    [req], _ = run_checked(engine, [prompt], [greedy(30)], what, aborts={4: [0]})
+    tokens = prompt + req.output_ids
+    computed = len(tokens) - (1 if disable_overlap else 0)
+    assert req.finished_reason.type == "abort" and len(req.output_ids) < 30, f"{what}: test set-up: {req}"
+    assert tree_paths(engine.tree_cache) == [tokens[:computed]], (
+        f"{what}: the radix tree holds {[len(p) for p in tree_paths(engine.tree_cache)]} tokens after the abort, "
+        f"expected the {computed} of its {len(tokens)} real tokens whose K/V were computed: an aborted request "
+        "keeps all it computed (only a FINISHED one drops the position of the step it was scheduled for after its end)"
+    )
     assert_pool_free_after_tree(engine, what)
 
 
