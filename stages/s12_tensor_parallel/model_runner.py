@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from s00_foundation import cpu_ops
 from s00_foundation.forward_batch import ForwardBatch
 from s08_cuda_graph.model_runner import GraphModelRunner
 
@@ -44,6 +45,12 @@ class TPModelRunner(GraphModelRunner):
 def make_tp_runner(model: TPCausalLM, c: Any, pool_size: int, max_context_len: int, tp: TPGroup) -> TPModelRunner:
     """The runner every rank builds, from rank 0's engine config ``c`` and pool size (so every
     pool matches). Decodes run eagerly: capturing collectives in CUDA graphs is left out."""
+    if model.device.type == "cpu":
+        # Build or load the fused CPU loops now, before the ranks' ready barrier (the decode kernel
+        # loads with the runner's backend). Loaded in the first forward, as one process does, a rank
+        # waiting for the kernel cache's lock would keep the others waiting inside a collective,
+        # against the group's timeout.
+        cpu_ops.load()
     return TPModelRunner(
         model,
         pool_size,

@@ -17,6 +17,7 @@ from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
 
+from s00_foundation import cpu_ops
 from s02_request_and_sampling.sampler import sample
 from s10_overlap_scheduling import overlap_worker
 from s12_tensor_parallel.engine import TPEngine
@@ -130,3 +131,18 @@ def test_a_grammar_is_followed_under_tp(tp2):
         assert g.output_ids == e.output_ids, (
             f"{path.name}, tp=2, request {i}: constrained tokens {g.output_ids}, one device's {e.output_ids}"
         )
+
+
+def test_a_rank_loads_the_cpu_kernels_before_its_first_forward(tiny_models_root, monkeypatch):
+    """One process loads the fused CPU loops in its first forward. A rank loads them while its
+    runner is built, before the ranks' ready barrier: loading takes the kernel cache's lock, and a
+    rank waiting for it inside a forward keeps the others waiting in a collective, against the
+    group's timeout (a test run beside a busy build timed out that way)."""
+    loads = []
+    real = cpu_ops.load
+    monkeypatch.setattr(cpu_ops, "load", lambda: loads.append("load") or real())
+    engine = TPEngine(str(tiny_models_root / "qwen2"), tp_size=1, **KNOBS)
+    try:
+        assert loads, "building a rank's runner did not load the CPU kernels (cpu_ops.load): make_tp_runner must"
+    finally:
+        engine.shutdown()
