@@ -1124,6 +1124,37 @@ MUTANTS: list[Mutant] = [
         r"KV head|head_ranges|heads",
     ),
     Mutant(
+        "s12-kv-heads-not-replicated",
+        "s12_tensor_parallel/layers.py",
+        "with fewer KV heads than ranks each KV head is replicated on tp_size / num_kv_heads ranks",
+        edit("    if num_kv_heads >= tp.size:\n", "    if True:\n"),
+        r"KV head|head_ranges|heads|replicat",
+    ),
+    Mutant(
+        "s12-every-rank-the-first-heads",
+        "s12_tensor_parallel/layers.py",
+        "rank r computes query heads [r * q, (r + 1) * q): each head on exactly one rank",
+        edit(
+            "    return range(tp.rank * q, (tp.rank + 1) * q), range(kv_head, kv_head + 1)",
+            "    return range(0, q), range(kv_head, kv_head + 1)",
+        ),
+        r"head_ranges|heads",
+    ),
+    Mutant(
+        "s12-uneven-heads-accepted",
+        "s12_tensor_parallel/layers.py",
+        "query heads that do not divide by tp_size are refused (a rank would silently drop the rest)",
+        edit("    if num_heads % tp.size:\n", "    if False:\n"),
+        r"divide|heads",
+    ),
+    Mutant(
+        "s12-embedding-no-all-reduce",
+        "s12_tensor_parallel/layers.py",
+        "each embedding rank holds only its ids' rows: the all-reduce fills the others",
+        edit("        return self.tp.all_reduce(x)\n", "        return x\n"),
+        r"embedding|all-reduce|vocab",
+    ),
+    Mutant(
         "s12-bias-before-all-reduce",
         "s12_tensor_parallel/layers.py",
         "a row-parallel layer's bias is added once, after the all-reduce",
