@@ -5,14 +5,18 @@
 
 prints, as the notebook's first output, e.g.
 
-    engine: the reference (solutions/)  |  device: cpu (1 thread)  |  torch 2.13.0
+    engine: the reference (solutions/)  |  device: cpu (1 torch thread, 2 physical cores)  |  torch 2.13.0+cpu
+    |  load average 0.41
 
-Which engine comes from the ENGINE_* settings (tools/impl_switch.py): `make lab` and
-`make notebooks` run the reference; `make lab ENGINE_IMPL=stages` shows your own code.
+(one line). Which engine comes from the ENGINE_* settings (tools/impl_switch.py): `make lab` and
+`make notebooks` run the reference; `make lab ENGINE_IMPL=stages` shows your own code. The load
+average (the last minute's) says how busy the machine was: the notebook's timings are only as quiet
+as it.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -43,5 +47,7 @@ def start(device: str | None = None):
     from s00_foundation.device import default_device, describe
 
     chosen = torch.device(device) if device is not None else default_device()
-    print(f"engine: {engine_line(switch)}  |  device: {describe(chosen)}  |  torch {torch.__version__}", flush=True)
+    load = f"  |  load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else ""  # not on Windows
+    line = f"engine: {engine_line(switch)}  |  device: {describe(chosen)}  |  torch {torch.__version__}{load}"
+    print(line, flush=True)
     return chosen
