@@ -9,7 +9,8 @@ learner would read first). A mutant is
                 failure names the broken idea
     unnamed     a test failed, but its message does not name the idea (it points at a symptom)
     SURVIVED    every test passed: a learner with this bug gets full marks
-    TIMEOUT     the tests hung (a learner would see no message at all)
+    TIMEOUT     the tests ran past TIMEOUT_S (a test stuck in a loop fails first, at pytest's own
+                timeout, with a "stuck:" message naming the line it was running)
 
 It prints one line per mutant, the kill rate per stage and every mutant not killed. A full run
 takes about half an hour on a 2-core machine, so CI only checks that every mutant still applies
