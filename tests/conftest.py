@@ -47,14 +47,18 @@ EARLIER_STAGE_HINTS = pytest.StashKey[set[str]]()
 EXERCISE_STAGE = re.compile(r"Stage (\d+):")
 
 
-def exercise_location(excinfo) -> str:
-    """Where the skeleton raised: 'stages/s04_.../allocator.py:84 in TokenToKVPoolAllocator.alloc_extend'."""
-    entry = excinfo.traceback[-1]
+def frame_location(entry) -> str:
+    """A traceback entry as 'stages/s04_.../allocator.py:84 in TokenToKVPoolAllocator.alloc_extend'."""
     code = entry.frame.code.raw
-    path = Path(entry.path)
+    path = Path(entry.path).resolve()
     if path.is_relative_to(REPO):
         path = path.relative_to(REPO)
     return f"{path}:{entry.lineno + 1} in {getattr(code, 'co_qualname', code.co_name)}"
+
+
+def exercise_location(excinfo) -> str:
+    """Where the skeleton raised."""
+    return frame_location(excinfo.traceback[-1])
 
 
 def earlier_stage_hint(item, message: str) -> str:
@@ -69,10 +73,38 @@ def earlier_stage_hint(item, message: str) -> str:
     )
 
 
+def innermost_course_frame(excinfo) -> str | None:
+    """'stages/s06_.../radix_cache.py:180 in RadixCache._update_lock': the innermost frame of the
+    traceback in the course's code (stages/ or solutions/, wherever the switch points), or None."""
+    roots = [p.resolve() for p in (SWITCH.stages_dir, SWITCH.solutions_dir)]
+    for entry in reversed(excinfo.traceback):
+        if any(Path(entry.path).resolve().is_relative_to(root) for root in roots):
+            return frame_location(entry)
+    return None
+
+
+TIMED_OUT = re.compile(r"Timeout \(>([\d.]+)s\) from pytest-timeout")
+
+
+def timeout_seconds(excinfo) -> float | None:
+    """The limit that pytest-timeout stopped the test at (``timeout`` in pyproject.toml), or None."""
+    found = TIMED_OUT.match(str(excinfo.value)) if excinfo.errisinstance(pytest.fail.Exception) else None
+    return float(found.group(1)) if found else None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A stage exercise not written yet fails with where and what to write instead of a traceback."""
+    """A stage exercise not written yet fails with where and what to write instead of a traceback;
+    a test stopped by the timeout starts with where the course's code was running when it stopped."""
     report = yield
+    limit = timeout_seconds(call.excinfo) if call.excinfo is not None else None
+    if limit is not None:
+        where = innermost_course_frame(call.excinfo)
+        running = f"; when it was stopped, it was running {where}" if where else ""
+        report.longrepr = (
+            f"stuck: the test ran past {limit:g} s{running}. A loop that never ends? The traceback below "
+            f"ends where it was (PYTEST_TIMEOUT=SECONDS changes the limit).\n\n{report.longrepr}"
+        )
     if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError):
         message = str(call.excinfo.value)
         if message.startswith("Stage "):

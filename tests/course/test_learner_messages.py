@@ -2,8 +2,9 @@
 
 Runs pytest on the real skeleton in stages/, as `make stage-4` does, and checks that the
 failure names the file, line and function to write, that an earlier stage's exercise says how
-to test this stage without it, that the summary lists each exercise once, and that code which
-does not import says why without pages of import machinery.
+to test this stage without it, that the summary lists each exercise once, that code which
+does not import says why without pages of import machinery, and that a test stuck in a loop
+fails at the timeout naming the line it was running.
 """
 
 from __future__ import annotations
@@ -19,11 +20,19 @@ from impl_switch import SWITCH_VARS
 REPO = Path(__file__).resolve().parents[2]
 
 
-def learner_run(*tests: str, reference_upto: int = 0, stages_dir: Path | None = None, exit_code: int = 1) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS}
+def learner_run(
+    *tests: str,
+    reference_upto: int = 0,
+    stages_dir: Path | None = None,
+    exit_code: int = 1,
+    test_timeout_s: int | None = None,
+) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS and k != "PYTEST_TIMEOUT"}
     env.update(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto))
     if stages_dir is not None:
         env["ENGINE_STAGES_DIR"] = str(stages_dir)
+    if test_timeout_s is not None:
+        env["PYTEST_TIMEOUT"] = str(test_timeout_s)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
         cwd=REPO,
@@ -68,3 +77,18 @@ def test_a_syntax_error_in_your_stage_is_short_and_named(tmp_path):
     assert "import failed: SyntaxError" in done, done[-3000:]
     assert "s01_naive_generate/generate.py" in done, done[-3000:]
     assert "importlib" not in done, f"the import machinery's frames should be cut:\n{done[-3000:]}"
+
+
+def test_a_stuck_test_fails_and_names_the_line_it_was_running(tmp_path):
+    """A loop that never ends (here: a lock that never walks up to the root) stops one test at the
+    timeout, and its failure starts with the line of the learner's code it was running."""
+    stages = tmp_path / "stages"
+    shutil.copytree(REPO / "solutions", stages, ignore=shutil.ignore_patterns("__pycache__", "s00_foundation"))
+    radix = stages / "s06_radix_cache" / "radix_cache.py"
+    code = radix.read_text()
+    assert code.count("            node = node.parent\n") == 1
+    radix.write_text(code.replace("            node = node.parent\n", ""))
+    test = "tests/stage06/test_radix_tree.py::test_locked_nodes_survive_eviction_and_lru_goes_first"
+    out = learner_run(test, stages_dir=stages, test_timeout_s=5)
+    assert "stuck: the test ran past 5 s; when it was stopped, it was running" in out, out[-3000:]
+    assert "s06_radix_cache/radix_cache.py:" in out and "in RadixCache._update_lock" in out, out[-3000:]
