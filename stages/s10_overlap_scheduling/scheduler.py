@@ -155,9 +155,9 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             # Building now would read what the step in flight has not stored yet (a half-prefilled
             # request's next chunk starts from it) or retract requests whose rows it still reads.
             raise RuntimeError(
-                "the next step is built while the step in flight "
-                + ("left a request half prefilled" if self.last.chunked else "leaves the pool short (a retraction)")
-                + ": step() must process the step in flight first whenever must_wait_for_last() says so"
+                "the next step is built while the step in flight must be processed first (a half-prefilled "
+                "request's next chunk, or a retraction, starts from what it stores): step() must process it "
+                "first whenever must_wait_for_last() says so"
             )
         short = self.next_pass_slots(self.decoding_reqs()) > self.available_slots()
         retracted = self.retract_for_decode() if short else []  # nothing is in flight (checked above)
