@@ -37,7 +37,7 @@ def check_all(engine, what: str) -> None:
 
 def watch_evict(cache):
     """Wrap ``cache.evict`` (on this instance) so that, while it runs, every slot it frees is
-    checked: the slots of a node that still has children, or of one node a second time, fail
+    checked: the slots of a locked node, of a node that still has children, or of one node a second time, fail
     with a message about evict - rather than with the allocator's "double free" some frees later.
     Returns the cache."""
     real_evict, allocator = cache.evict, cache.allocator
@@ -49,6 +49,12 @@ def watch_evict(cache):
         def free(slots):
             key = sorted(torch.as_tensor(slots).reshape(-1).tolist())
             node = next((n for n in cache._all_nodes() if sorted(n.value.tolist()) == key), None) if key else None
+            if node is not None and node.lock_ref > 0:
+                raise AssertionError(
+                    f"evict freed the slots of node {node.id} ({len(node.key)} tokens) while it is locked (lock_ref "
+                    f"{node.lock_ref}): a running request reads those slots, so a locked node is never evicted. The "
+                    "heap starts with the UNLOCKED leaves, and a parent joins it only if nothing locks it"
+                )
             if node is not None and node.children:
                 children = [len(child.key) for child in node.children.values()]
                 raise AssertionError(

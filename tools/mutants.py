@@ -210,6 +210,32 @@ MUTANTS: list[Mutant] = [
         edit("        if not 0 < self.top_p <= 1:", "        if not 0 <= self.top_p <= 1:"),
         r"top_p",
     ),
+    Mutant(
+        "s02-masks-before-temperature",
+        "s02_request_and_sampling/sampler.py",
+        "temperature comes first: top-k, top-p and min-p filter the TEMPERED distribution",
+        (
+            (
+                "    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)\n",
+                "    probs = torch.softmax(logits.float(), dim=-1)\n",
+            ),
+            (
+                "    probs = probs * keep\n",
+                "    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1) * keep\n",
+            ),
+        ),
+        r"temperature",
+    ),
+    Mutant(
+        "s02-reseed-every-step",
+        "s02_request_and_sampling/sampler.py",
+        "a request's generator is seeded once and then advances: each step draws a NEW number from it",
+        edit(
+            "torch.rand(1, generator=req.generator)",
+            "torch.rand(1, generator=torch.Generator().manual_seed(req.generator.initial_seed()))",
+        ),
+        r"seed|draw|random",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
         "s03-attend-new-tokens-only",
@@ -396,6 +422,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"table|req_to_token",
     ),
+    Mutant(
+        "s04-kv-indices-whole-row",
+        "s04_paged_kv_pool/paged_backend.py",
+        "a request's kv_indices are its table row up to its seq_len only: the rest of the row holds no K/V of it",
+        edit(
+            "kv_indices = torch.cat([table[row, :seq_len] for row, seq_len in zip(rows, batch.seq_lens)])",
+            "kv_indices = torch.cat([table[row] for row, seq_len in zip(rows, batch.seq_lens)])",
+        ),
+        r"kv_indices|seq_len",
+    ),
     # --- stage 5: continuous batching ---------------------------------------------------------
     Mutant(
         "s05-admit-no-future",
@@ -516,6 +552,20 @@ MUTANTS: list[Mutant] = [
         ),
         r"last token",
     ),
+    Mutant(
+        "s05-reserved-not-accumulated",
+        "s05_continuous_batching/scheduler.py",
+        "each admitted request's need is kept back from the room the next one in line may take",
+        edit("            reserved += need\n", ""),
+        r"future|reserve|room|retract",
+    ),
+    Mutant(
+        "s05-budget-not-spent",
+        "s05_continuous_batching/scheduler.py",
+        "each admitted prompt spends its tokens from the step's prefill budget",
+        edit("            budget -= extend_len\n", ""),
+        r"budget|max_prefill_tokens",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(
         "s06-evict-a-parent-with-children",
@@ -630,6 +680,43 @@ MUTANTS: list[Mutant] = [
         "a leaving request unlocks its match, so the prefix it used becomes evictable again",
         edit("        self.unlock(match)\n        # END EXERCISE", "        # END EXERCISE"),
         r"unlock|lock|evictable|protected",
+    ),
+    Mutant(
+        "s06-match-not-touched",
+        "s06_radix_cache/radix_cache.py",
+        "a match counts as a use: every node on its path gets a new access time, so eviction spares it",
+        edit(
+            """            child = node.children[self._child_key(key)]
+            self._touch(child)
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split_node(child, n)""",
+            """            child = node.children[self._child_key(key)]
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split_node(child, n)""",
+        ),
+        r"least recently|LRU|access|recent",
+    ),
+    Mutant(
+        "s06-evict-locked-leaf",
+        "s06_radix_cache/radix_cache.py",
+        "a locked leaf is never evicted: a running request reads its slots",
+        edit(
+            "        heap = [node for node in self._all_nodes() if not node.children and node.lock_ref == 0]",
+            "        heap = [node for node in self._all_nodes() if not node.children]",
+        ),
+        r"lock",
+    ),
+    Mutant(
+        "s06-evict-locked-parent",
+        "s06_radix_cache/radix_cache.py",
+        "a parent left without children is evicted only when nobody locks it",
+        edit(
+            "            if parent is not self.root and not parent.children and parent.lock_ref == 0:",
+            "            if parent is not self.root and not parent.children:",
+        ),
+        r"lock",
     ),
     # --- stage 7: chunked prefill -------------------------------------------------------------
     Mutant(
@@ -926,6 +1013,13 @@ MUTANTS: list[Mutant] = [
         "with stream_options.include_usage the stream's last chunk before [DONE] carries the token counts",
         edit("    if include_usage and last is not None:", "    if False:"),
         r"usage",
+    ),
+    Mutant(
+        "s09-final-text-not-flushed",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "when a request ends, the detokenizer flushes its pending tail: the final text is ALL of its ids' text",
+        edit("                final = detok.flush(self.output_ids)\n", "                final = detok.text\n"),
+        r"flush|tail|final text|pending|held",
     ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
     Mutant(

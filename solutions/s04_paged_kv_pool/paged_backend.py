@@ -42,9 +42,14 @@ class ForwardMetadata:
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
 
     def __post_init__(self):
-        # Wrong running offsets would make attention read another request's K/V: say so here.
+        # Wrong running offsets or indices would make attention read another request's K/V: say so here.
         check_indptr("qo_indptr", self.qo_indptr, self.batch.extend_lens, "extend_lens")
         check_indptr("kv_indptr", self.kv_indptr, self.batch.seq_lens, "seq_lens")
+        if len(self.kv_indices) != sum(self.batch.seq_lens):
+            raise ValueError(
+                f"kv_indices must hold sum(seq_lens) = {sum(self.batch.seq_lens)} slots, each request's table row "
+                f"up to its seq_len (seq_lens = {self.batch.seq_lens}); got {len(self.kv_indices)}"
+            )
 
 
 def check_indptr(name: str, indptr: torch.Tensor, lens: list[int], lens_name: str) -> None:
