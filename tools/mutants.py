@@ -793,6 +793,36 @@ MUTANTS: list[Mutant] = [
         edit("        self.share_prompts(others.prefill_reqs)\n", ""),
         r"share_prompts|into the tree",
     ),
+    Mutant(
+        "s07-pending-row-sampled-for-another",
+        "s07_chunked_prefill/scheduler.py",
+        "the logits rows handed on are those of the requests sampled: a half-prefilled request's row is dropped",
+        edit(
+            "        sampled = super().process_batch_result(others, logits[rest] if pending else logits)",
+            "        sampled = super().process_batch_result(others, logits)",
+        ),
+        r"row|logits",
+    ),
+    Mutant(
+        "s07-chunk-match-not-locked",
+        "s07_chunked_prefill/prefix_cache.py",
+        "the tree's copy of a half-prefilled request's chunks is locked for it: a running request's prefix is never evictable",
+        edit("        self.lock(new_match)\n", ""),
+        r"lock",
+    ),
+    Mutant(
+        "s07-pending-not-marked-cached",
+        "s07_chunked_prefill/scheduler.py",
+        "a chunk just computed is cached (cached_len = device_len) before it goes into the tree",
+        edit(
+            """            req = batch.reqs[i]
+            req.cached_len = req.device_len
+""",
+            """            req = batch.reqs[i]
+""",
+        ),
+        r"cached_len|cached",
+    ),
     # --- stage 8: CUDA graphs (regions that exist now, picked away from the capture protocol) -----
     Mutant(
         "s08-no-max-bs-bucket",
@@ -884,6 +914,22 @@ MUTANTS: list[Mutant] = [
             "if self.cuda_graph_runner is not None:",
         ),
         r"eager|can_run|bucket",
+    ),
+    Mutant(
+        "s08-gqa-repeat-not-interleave",
+        "s08_cuda_graph/decode_attention.py",
+        "with grouped-query attention, query head h reads KV head h // (heads per KV head): each KV head repeated in place",
+        edit(
+            """        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True
+        )""",
+            """        groups = q.shape[1] // keys.shape[1]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys.repeat(1, groups, 1, 1), values.repeat(1, groups, 1, 1),
+            attn_mask=key_mask[:, None, None, :],
+        )""",
+        ),
+        r"GQA|grouped|KV head|repeat",
     ),
     # --- stage 9: serving ----------------------------------------------------------------------
     Mutant(

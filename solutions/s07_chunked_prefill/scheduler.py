@@ -184,6 +184,12 @@ class ChunkedPrefillScheduler(RadixScheduler):
     def cache_unfinished_req(self, req: Req) -> None:
         """``req`` just computed a chunk: hand its K/V so far to the prefix cache and point its
         table row at the prefix the cache now holds for it."""
+        if prefill_pending(req) and req.cached_len != req.device_len:
+            raise RuntimeError(
+                f"request {req.rid}: its chunk computed positions up to {req.device_len}, but cached_len is "
+                f"{req.cached_len}: mark what the pass computed as cached (cached_len = device_len) before its K/V "
+                "go into the prefix cache"
+            )
         table = self.runner.req_to_token_pool.req_to_token
         slots = table[req.req_pool_idx, : req.cached_len].clone()
         match = self.prefix_cache.cache_unfinished_req(req.fill_ids[: req.cached_len], slots, req.prefix_match)

@@ -46,10 +46,16 @@ def test_fused_kernel_equals_your_gathered_decode(kernel, num_heads, num_kv_head
     got = run_kernel(kernel, backend, meta, q)
     assert got.shape == expected.shape
     worst = (got - expected).abs().max().item()
+    group = num_heads // num_kv_heads
+    gqa = (
+        f"; query head h reads KV head h // {group} (each KV head serves {group} neighbouring query heads)"
+        if group > 1
+        else ""
+    )
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (
         f"{num_heads} query heads over {num_kv_heads} KV heads of {head_dim}, rows of {lengths} tokens: the fused "
         f"kernel and your attend_decode differ by up to {worst:.3g} (check attend_decode: one masked attention "
-        "over each row's gathered keys)"
+        f"over each row's gathered keys{gqa})"
     )
 
 
