@@ -806,7 +806,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "s07-chunk-match-not-locked",
         "s07_chunked_prefill/prefix_cache.py",
-        "the tree's copy of a half-prefilled request's chunks is locked for it: a running request's prefix is never evictable",
+        "the tree's copy of a half-prefilled request's chunks is locked for it: a running request's prefix stays",
         edit("        self.lock(new_match)\n", ""),
         r"lock",
     ),
@@ -918,7 +918,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "s08-gqa-repeat-not-interleave",
         "s08_cuda_graph/decode_attention.py",
-        "with grouped-query attention, query head h reads KV head h // (heads per KV head): each KV head repeated in place",
+        "with grouped-query attention, query head h reads KV head h // (query heads per KV head), not h % num_kv_heads",
         edit(
             """        out = F.scaled_dot_product_attention(
             q[:, :, None, :], keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True
