@@ -236,6 +236,30 @@ MUTANTS: list[Mutant] = [
         ),
         r"seed|draw|random",
     ),
+    Mutant(
+        "s02-empty-stop-allowed",
+        "s02_request_and_sampling/sampling_params.py",
+        "a stop string is never empty: an empty one would match before any text at all",
+        edit('            if not isinstance(s, str) or s == "":', "            if not isinstance(s, str):"),
+        r"stop",
+    ),
+    Mutant(
+        "s02-ignore-eos-ignores-stop-tokens",
+        "s02_request_and_sampling/req.py",
+        "ignore_eos ignores the model's EOS only: the caller's own stop_token_ids still stop the request",
+        edit(
+            "if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):",
+            "if not params.ignore_eos and (last in params.stop_token_ids or last in self.eos_token_ids):",
+        ),
+        r"stop_token|ignore_eos",
+    ),
+    Mutant(
+        "s02-top-k-zero-allowed",
+        "s02_request_and_sampling/sampling_params.py",
+        "top_k is -1 (off) or at least 1: 0 would keep no token",
+        edit("        if self.top_k != -1 and self.top_k < 1:", "        if self.top_k < -1:"),
+        r"top_k",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
         "s03-attend-new-tokens-only",
@@ -308,6 +332,26 @@ MUTANTS: list[Mutant] = [
         "a cache must hold its stored prefix AND the new tokens: reserve seq_len + the new count",
         edit("        cache.reserve(cache.seq_len + len(ids))", "        cache.reserve(len(ids))"),
         r"reserve|capacity|grow",
+    ),
+    Mutant(
+        "s03-grow-doubles-once",
+        "s03_kv_cache/kv_cache.py",
+        "reserve grows the cache until `length` fits: doubling once may not be enough",
+        edit(
+            "        while capacity < length:\n            capacity *= 2",
+            "        if capacity < length:\n            capacity *= 2",
+        ),
+        r"capacity|reserve|fit",
+    ),
+    Mutant(
+        "s03-step-resends-the-cached-tokens",
+        "s03_kv_cache/engine.py",
+        "a step sends only what the cache lacks: fill_ids[cached_len:device_len]",
+        edit(
+            "    logits = extend(model, caches, [req.fill_ids[req.cached_len : req.device_len] for req in reqs])",
+            "    logits = extend(model, caches, [req.fill_ids[: req.device_len] for req in reqs])",
+        ),
+        r"cached|prefix_lens|seq_len",
     ),
     # --- stage 4: the paged KV pool -----------------------------------------------------------
     Mutant(
