@@ -1191,6 +1191,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"chunk|retract|wait",
     ),
+    Mutant(
+        "s10-resolve-unclamped",
+        "s10_overlap_scheduling/future_map.py",
+        "only negative ids are futures: a real token id must not be looked up in the buffer at all",
+        edit(
+            "        looked_up = self.token_ids[(-input_ids).clamp(min=0)]",
+            "        looked_up = self.token_ids[-input_ids]",
+        ),
+        r"future|negative|resolve",
+    ),
     # --- stage 11: structured output ----------------------------------------------------------------
     Mutant(
         "s11-bitmask-bit-order",
@@ -1396,6 +1406,28 @@ MUTANTS: list[Mutant] = [
             "            pass",
         ),
         r"greedy|tokens|one device",
+    ),
+    Mutant(
+        "s12-embedding-stop-inclusive",
+        "s12_tensor_parallel/layers.py",
+        "a rank owns the ids [start, stop) of its shard: the id at stop belongs to the next rank alone",
+        edit(
+            "        mine = (ids >= self.shard.start) & (ids < self.shard.stop)",
+            "        mine = (ids >= self.shard.start) & (ids <= self.shard.stop)",
+        ),
+        r"embedding|shard|own",
+    ),
+    Mutant(
+        "s12-uneven-kv-heads-accepted",
+        "s12_tensor_parallel/layers.py",
+        "KV heads at least as many as ranks must divide by tp_size, or a rank would silently drop some",
+        edit(
+            """        if num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} does not divide by tp_size={tp.size}")
+""",
+            "",
+        ),
+        r"num_key_value_heads|divide",
     ),
 ]
 

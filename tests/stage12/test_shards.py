@@ -1,6 +1,7 @@
 """Stage 12 (graded): how a model splits, checked in one process (no group needed: loading
 communicates with nobody). Every rank's slices, put back together, are the checkpoint's tensors;
-heads that cannot be split are refused with both numbers in the message."""
+heads that cannot be split are refused with both numbers in the message; each embedding id is
+looked up by exactly the rank that owns it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from safetensors.torch import load_file
 
 from s00_foundation.config import ModelConfig
 from s12_tensor_parallel.engine import TPEngine
-from s12_tensor_parallel.layers import head_ranges
+from s12_tensor_parallel.layers import VocabParallelEmbedding, head_ranges
 from s12_tensor_parallel.parallel_state import TPGroup
 from s12_tensor_parallel.weight_loader import load_tp_model
 
@@ -38,13 +39,59 @@ UNSPLITTABLE = [(4, 2, 3, ("4", "3")), (8, 3, 2, ("3", "2")), (8, 2, 3, ("8", "3
 
 @pytest.mark.parametrize("heads, kv_heads, tp, named", UNSPLITTABLE)
 def test_heads_that_cannot_split_are_refused_clearly(heads, kv_heads, tp, named):
-    with pytest.raises(ValueError) as error:
-        head_ranges(heads, kv_heads, group(0, tp))
-    message = str(error.value)
+    why = (
+        f"{heads} query heads do not divide by {tp} ranks"
+        if heads % tp
+        else f"{kv_heads} KV heads neither divide by {tp} ranks nor can {tp} ranks replicate them whole"
+    )
+    try:
+        got = head_ranges(heads, kv_heads, group(0, tp))
+    except ValueError as error:
+        message = str(error)
+    else:
+        pytest.fail(
+            f"head_ranges({heads} query heads, {kv_heads} KV heads) on tp_size={tp} gave rank 0 "
+            f"{tuple(map(list, got))}, but {why}: some heads would be on no rank. Raise ValueError naming the numbers"
+        )
     assert all(n in message for n in named) and "tp_size" in message, (
         f"{heads} query heads, {kv_heads} KV heads, tp_size={tp}: the error should name the numbers that do not "
         f"divide and tp_size, got {message!r}"
     )
+
+
+class NoCommunication(TPGroup):
+    """A rank of a group in one process: its all-reduce returns this rank's own part, so a test
+    can add the parts of every rank itself."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_each_id_is_looked_up_by_the_one_rank_that_owns_it(tp):
+    vocab, hidden = 10, 4  # 3 ranks: shards of 4 rows, [0, 4) [4, 8) [8, 12), the last two rows padding
+    table = torch.arange(vocab * hidden, dtype=torch.float32).reshape(vocab, hidden) + 1
+    ids = torch.arange(vocab)
+    parts = []
+    for rank in range(tp):
+        embedding = VocabParallelEmbedding("embed", vocab, hidden, NoCommunication(rank, tp, torch.device("cpu")))
+        shard = embedding.shard
+        rows = table[shard.start : shard.stop]
+        embedding.weight.data = torch.cat([rows, rows.new_zeros(shard.size - len(rows), hidden)])
+        owned = f"rank {rank} of {tp} holds the embedding rows of ids [{shard.start}, {shard.stop})"
+        try:
+            parts.append(embedding(ids))
+        except IndexError as error:  # an id past its shard (not NotImplementedError: that says "not written yet")
+            pytest.fail(
+                f"{owned}; looking up ids 0..{vocab - 1} raised {error!r}: a rank looks up only the ids it owns, id i "
+                f"at row i - {shard.start} of its shard"
+            )
+        wrong = [i for i in range(vocab) if (parts[-1][i] != 0).any() != (shard.start <= i < shard.stop)]
+        assert not wrong, (
+            f"{owned}; its part for ids {wrong} is wrong: a rank writes the rows of the ids it owns, zeros for all "
+            "others (the all-reduce adds every rank's part)"
+        )
+    torch.testing.assert_close(sum(parts), table[ids], msg=lambda m: f"tp={tp}: the ranks' parts added up: {m}")
 
 
 @pytest.mark.parametrize("family, tp", [("llama", 2), ("qwen2", 2), ("qwen3", 4), ("llama_gqa_bias", 2), ("llama3", 2)])
