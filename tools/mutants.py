@@ -1310,6 +1310,30 @@ MUTANTS: list[Mutant] = [
         edit("                req.grammar.accept_token(token_id)", "                pass"),
         r"grammar|accept",
     ),
+    Mutant(
+        "s11-compile-on-the-callers-thread",
+        "s11_structured_output/grammar_backend.py",
+        "a grammar compiles on the backend's pool, never on the scheduler's thread: get() returns at once",
+        edit(
+            "                future = self.cache[key] = self.executor.submit(self.compile, key)",
+            """                future = self.cache[key] = Future()
+                try:
+                    future.set_result(self.compile(key))
+                except Exception as error:
+                    future.set_exception(error)""",
+        ),
+        r"background|thread|block|pool|at once",
+    ),
+    Mutant(
+        "s11-rollback-by-the-kept-count",
+        "s11_structured_output/grammar_backend.py",
+        "a rollback undoes the tokens past the kept ones: num_tokens - kept of them, not the kept count",
+        edit(
+            "            if not self.matcher.rollback(self.num_tokens - num_tokens):",
+            "            if not self.matcher.rollback(num_tokens):",
+        ),
+        r"roll",
+    ),
     # --- stage 12: tensor parallelism ------------------------------------------------------------
     Mutant(
         "s12-kv-head-modulo",
