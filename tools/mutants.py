@@ -1111,6 +1111,19 @@ MUTANTS: list[Mutant] = [
         edit("                final = detok.flush(self.output_ids)\n", "                final = detok.text\n"),
         r"flush|tail|final text|pending|held",
     ),
+    Mutant(
+        "s09-abort-of-a-finished-request",
+        "s09_zmq_serving/scheduler_process.py",
+        "an abort for a request that already finished (its client left just after the end) finds nothing to do",
+        edit(
+            """        if self.engine.abort_request(rid):
+            req = self.reqs.pop(rid)""",
+            """        self.engine.abort_request(rid)
+        if True:
+            req = self.reqs.pop(rid)""",
+        ),
+        r"finished|already|gone|abort",
+    ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
     Mutant(
         "s10-resolve-not-in-place",

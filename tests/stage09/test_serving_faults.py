@@ -155,3 +155,28 @@ def test_a_stream_cut_by_a_fault_ends_with_an_error_event(tiny_server):
     )
     assert len(events) < 200, f"{what}: the request went on after the fault ({len(events)} events)"
     assert_nothing_leaked(wait_idle(server, what), what)
+
+
+def test_an_abort_that_comes_after_the_end_finds_nothing_to_do(tiny_models_root):
+    """A client that leaves just after its answer ended sends an abort the scheduler can no longer
+    act on: the request has left the engine and self.reqs. That abort, and one for an id the
+    scheduler never saw, is dropped quietly: nothing raised, nothing sent."""
+    engine = offline_engine(tiny_models_root / TINY_FAMILY, pool_size=256)
+    outbox = Outbox()
+    scheduler = SchedulerProcess(engine, None, outbox)
+    request = TokenizedGenerateReqInput("done", PREFIX, SamplingParams(temperature=0, max_new_tokens=3))
+    scheduler.process_input_request(request)
+    while engine.has_work:
+        scheduler.send_outputs(scheduler.run_batch())
+    before = len(outbox.sent)
+    for rid, what in (("done", "that already finished"), ("never-seen", "the scheduler never saw")):
+        try:
+            scheduler.abort_request(rid)
+        except Exception as error:
+            pytest.fail(
+                f"abort_request({rid!r}) for a request {what} raised {error!r}: an abort that finds the request gone "
+                "(engine.abort_request returns False) has nothing to do"
+            )
+    assert outbox.sent[before:] == [], (
+        f"aborts for requests that are gone should send nothing; the scheduler sent {outbox.sent[before:]}"
+    )
