@@ -20,18 +20,15 @@ request aborted: the scheduler frees its KV before its next step.
 Before any of that, the guards (README, "What can go wrong in a server"): ``RequestGuard`` checks
 the API key and reads the body under a size cap and a time limit before anything parses it; a
 request beyond the queue cap is answered 503 with Retry-After; every answer, even an error about
-a string that cannot be encoded, renders as OpenAI's JSON; a request past --request-timeout is
-aborted; /health reads the workers' heartbeats; and when the server stops, every request in flight
-is told so (a stream gets a last SSE error event, then ``data: [DONE]``).
+a string that cannot be encoded, renders as OpenAI's JSON (``http_errors.py``); a request past
+--request-timeout is aborted; /health reads the workers' heartbeats; and when the server stops,
+every request in flight is told so (a stream gets a last SSE error event, then ``data: [DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import secrets
-import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -40,11 +37,10 @@ from typing import AsyncIterator, Callable, Literal
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .http_errors import OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
 from .io_struct import (
     AbortReq,
     BatchStrOut,
@@ -53,7 +49,6 @@ from .io_struct import (
     DebugStateReq,
     ErrorOut,
     GenerateReqInput,
-    describe_error,
 )
 from .protocol import (
     ChatCompletionRequest,
@@ -76,8 +71,6 @@ from .protocol import (
 from .server_args import ServerArgs
 from .worker_loop import INJECTED, Heartbeats
 
-FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
-UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried
 DISCONNECT_POLL_S = 0.2  # while a request waits for its answer, look this often whether its client left
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before trying again
@@ -102,31 +95,6 @@ def rejection(error: ErrorOut) -> InvalidRequest:
         status_code=error.status_code,
         type="invalid_request_error" if error.status_code < 500 else "server_error",
     )
-
-
-def json_bytes(content) -> bytes:
-    """JSON that always renders: a string no UTF-8 can hold (a lone surrogate in an echoed value)
-    is written as its \\u escape instead of failing the whole answer."""
-    try:
-        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-class OpenAIJSONResponse(JSONResponse):
-    def render(self, content) -> bytes:
-        return json_bytes(content)
-
-
-def error_response(
-    status: int,
-    message: str,
-    type: str = "invalid_request_error",
-    param=None,
-    code=None,
-    headers: dict[str, str] | None = None,
-) -> OpenAIJSONResponse:
-    return OpenAIJSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
 class ClientGone(Exception):
@@ -363,61 +331,7 @@ def create_app(
         read_timeout=server_args.read_timeout,
         api_key=server_args.api_key,
     )
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        # FastAPI says 422 with its own body; OpenAI clients expect 400 and OpenAI's error body.
-        first = exc.errors()[0]
-        loc = []
-        for part in first.get("loc", ())[1:]:  # loc[0] is "body"
-            if isinstance(part, str) and (part in UNION_TAGS or not FIELD_NAME.fullmatch(part)):
-                break  # pydantic names the union member it tried ("float", "list[str]"): not a field
-            loc.append(str(part))
-        if first.get("type") == "json_invalid":
-            return error_response(
-                400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-            )
-        if not first.get("loc", ())[1:] and first.get("type") in ("model_attributes_type", "dict_type"):
-            # the body parsed, but to something other than an object: a list, a number, or (sent
-            # without the JSON content type) a string FastAPI never parsed
-            sent_as = request.headers.get("content-type", "no Content-Type")
-            how = "" if "json" in sent_as.lower() else f"; it was sent as {sent_as!r}"
-            return error_response(
-                400, f"the request body must be a JSON object sent with Content-Type: application/json{how}"
-            )
-        where = ".".join(loc) or "body"
-        message = f"{where}: {first['msg']}" + (f" (got {first['input']!r:.80})" if "input" in first and loc else "")
-        return error_response(400, message, param=where if loc else None)
-
-    @app.exception_handler(InvalidRequest)
-    async def on_invalid_request(request: Request, exc: InvalidRequest):
-        return OpenAIJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException):
-        detail = str(exc.detail)
-        # FastAPI's "There was an error parsing the body" hides why json.loads gave up; say it
-        if isinstance(exc.__cause__, UnicodeDecodeError):
-            bad = exc.__cause__
-            detail = (
-                f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at offset {bad.start}; "
-                "send JSON encoded as UTF-8 (non-ASCII text as it is, or as \\u escapes)"
-            )
-        elif isinstance(exc.__cause__, RecursionError):
-            detail = "the request body is JSON nested too deeply to parse; send a flatter body"
-        elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
-            detail = (
-                f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits, "
-                "which the JSON parser refuses; no field of this API takes one"
-            )
-        return error_response(
-            exc.status_code, detail, "invalid_request_error" if exc.status_code < 500 else "server_error"
-        )
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, exc: Exception):
-        # uvicorn logs the traceback ("Exception in ASGI application"); the server goes on
-        return error_response(500, f"internal error: {describe_error(exc)}", "server_error")
+    install_error_handlers(app)
 
     def check_model(name: str) -> str:
         if name not in model_names:

@@ -1,0 +1,114 @@
+"""OpenAI's error answers, whatever refuses a request: this server's own checks, or the web
+framework under them.
+
+OpenAI's clients read every error as one JSON shape and expect 400 for a request they got wrong::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_k", "code": null}}
+
+FastAPI would answer a body that fails validation with 422 and its own list of problems,
+Starlette a body it cannot parse with a bare "There was an error parsing the body", and an
+unexpected exception with plain text. ``install_error_handlers`` makes each of them answer in
+OpenAI's shape instead, saying what was wrong (the field, the byte that is not UTF-8, the JSON too
+deep to parse), and every answer renders, even one that echoes a string no UTF-8 can hold.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .io_struct import describe_error
+from .protocol import InvalidRequest, error_body
+
+FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried
+
+
+def json_bytes(content) -> bytes:
+    """JSON that always renders: a string no UTF-8 can hold (a lone surrogate in an echoed value)
+    is written as its \\u escape instead of failing the whole answer."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class OpenAIJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return json_bytes(content)
+
+
+def error_response(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param=None,
+    code=None,
+    headers: dict[str, str] | None = None,
+) -> OpenAIJSONResponse:
+    return OpenAIJSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer, in OpenAI's shape, what FastAPI and Starlette refuse and what raises anywhere."""
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        # FastAPI says 422 with its own body; OpenAI clients expect 400 and OpenAI's error body.
+        first = exc.errors()[0]
+        loc = []
+        for part in first.get("loc", ())[1:]:  # loc[0] is "body"
+            if isinstance(part, str) and (part in UNION_TAGS or not FIELD_NAME.fullmatch(part)):
+                break  # pydantic names the union member it tried ("float", "list[str]"): not a field
+            loc.append(str(part))
+        if first.get("type") == "json_invalid":
+            return error_response(
+                400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+            )
+        if not first.get("loc", ())[1:] and first.get("type") in ("model_attributes_type", "dict_type"):
+            # the body parsed, but to something other than an object: a list, a number, or (sent
+            # without the JSON content type) a string FastAPI never parsed
+            sent_as = request.headers.get("content-type", "no Content-Type")
+            how = "" if "json" in sent_as.lower() else f"; it was sent as {sent_as!r}"
+            return error_response(
+                400, f"the request body must be a JSON object sent with Content-Type: application/json{how}"
+            )
+        where = ".".join(loc) or "body"
+        message = f"{where}: {first['msg']}" + (f" (got {first['input']!r:.80})" if "input" in first and loc else "")
+        return error_response(400, message, param=where if loc else None)
+
+    @app.exception_handler(InvalidRequest)
+    async def on_invalid_request(request: Request, exc: InvalidRequest):
+        return OpenAIJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        detail = str(exc.detail)
+        # FastAPI's "There was an error parsing the body" hides why json.loads gave up; say it
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            bad = exc.__cause__
+            detail = (
+                f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at offset {bad.start}; "
+                "send JSON encoded as UTF-8 (non-ASCII text as it is, or as \\u escapes)"
+            )
+        elif isinstance(exc.__cause__, RecursionError):
+            detail = "the request body is JSON nested too deeply to parse; send a flatter body"
+        elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
+            detail = (
+                f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                "which the JSON parser refuses; no field of this API takes one"
+            )
+        return error_response(
+            exc.status_code, detail, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception):
+        # uvicorn logs the traceback ("Exception in ASGI application"); the server goes on
+        return error_response(500, f"internal error: {describe_error(exc)}", "server_error")
