@@ -1082,7 +1082,7 @@ MUTANTS: list[Mutant] = [
             """        try:
             self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)
         except ValueError as error:
-            self.send_to_detokenizer.send_pyobj(ErrorOut(req.rid, str(error), 400))""",
+            self.send_to_detokenizer.send_pyobj(ErrorOut.refused(req.rid, error))""",
             """        self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)""",
         ),
         r"400|context|served",

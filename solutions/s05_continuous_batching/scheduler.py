@@ -36,6 +36,16 @@ from .trace import StepTrace
 LeaveReason = Literal["finished", "retracted", "aborted"]
 
 
+class RequestTooLong(ValueError):
+    """A request that could never fit this engine (the model's context, the KV pool or the request
+    table), whatever else runs. ``field`` is what its caller would shorten: "prompt" or
+    "max_new_tokens" (a server answers it as OpenAI's ``context_length_exceeded``)."""
+
+    def __init__(self, message: str, field: Literal["prompt", "max_new_tokens"]):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class TokenOutput:
     """What one step did for one request: the tokens it gained, and whether it is over."""
@@ -100,20 +110,22 @@ class Scheduler:
         return self.runner.page_size
 
     def check_servable(self, req: Req) -> None:
-        """Raise ValueError if ``req`` could never finish here, whatever else runs."""
+        """Raise RequestTooLong (a ValueError) if ``req`` could never finish here, whatever else runs."""
         prompt, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
         longest = prompt + max_new - 1  # positions stored at the end (the last token is never fed back)
         context = self.runner.model.config.max_position_embeddings
         pool, table_width = self.runner.allocator.size, self.runner.req_to_token_pool.max_context_len
         if prompt > context:
-            raise ValueError(
-                f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens"
+            raise RequestTooLong(
+                f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens",
+                "prompt",
             )
         if longest > context:
-            raise ValueError(
+            raise RequestTooLong(
                 f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} "
                 "positions, "
-                f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}"
+                f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}",
+                "max_new_tokens",
             )
         needed = pages_for(longest, self.page_size) * self.page_size
         if needed > pool:
@@ -122,15 +134,17 @@ class Scheduler:
                 if prompt > pool
                 else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
             )
-            raise ValueError(
+            raise RequestTooLong(
                 f"request {req.rid}: {what} needs up to {needed} KV slots, but the whole KV pool has {pool}; "
-                "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens"
+                "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens",
+                "prompt" if prompt > pool else "max_new_tokens",
             )
         if longest > table_width:
-            raise ValueError(
+            raise RequestTooLong(
                 f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per "
                 "request "
-                "(max_context_len); raise max_context_len or lower max_new_tokens"
+                "(max_context_len); raise max_context_len or lower max_new_tokens",
+                "prompt" if prompt > table_width else "max_new_tokens",
             )
 
     def add_request(self, req: Req) -> None:

@@ -87,13 +87,19 @@ class OutputPiece:
     completion_tokens: int
 
 
-def rejection(error: ErrorOut) -> InvalidRequest:
-    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer."""
+def rejection(error: ErrorOut, kind: str = "completion") -> InvalidRequest:
+    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer. The engine
+    names the part of a request that is too long as it knows it: the API's field for "prompt" is
+    a chat's ``messages``, for "max_new_tokens" ``max_tokens``."""
+    param = {"max_new_tokens": "max_tokens", "prompt": "messages" if kind == "chat" else "prompt"}.get(
+        error.param or "", error.param
+    )
     return InvalidRequest(
         error.message,
-        param=error.param,
+        param=param,
         status_code=error.status_code,
         type="invalid_request_error" if error.status_code < 500 else "server_error",
+        code=error.code,
     )
 
 
@@ -371,7 +377,7 @@ def create_app(
             client.abort(req.rid)
             raise
         if isinstance(first, ErrorOut):
-            raise rejection(first)
+            raise rejection(first, kind)
         outputs = client.outputs(req.rid, queue, first, None if stream else request, deadline)
         if not stream:
             pieces, last = [], None

@@ -175,7 +175,7 @@ class SchedulerProcess:
         try:
             self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)
         except ValueError as error:
-            self.send_to_detokenizer.send_pyobj(ErrorOut(req.rid, str(error), 400))
+            self.send_to_detokenizer.send_pyobj(ErrorOut.refused(req.rid, error))
         # END EXERCISE
 
     def abort_request(self, rid: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from s02_request_and_sampling.req import FinishReason
 from s02_request_and_sampling.sampling_params import SamplingParams
+from s05_continuous_batching.scheduler import RequestTooLong
 
 # --- API server -> tokenizer worker -> scheduler -------------------------------------------------
 
@@ -115,6 +116,16 @@ class ErrorOut:
     message: str
     status_code: int = 400
     param: str | None = None
+    code: str | None = None  # OpenAI's error code, e.g. "context_length_exceeded"
+
+    @classmethod
+    def refused(cls, rid: str, error: ValueError) -> "ErrorOut":
+        """A request the engine can never serve (its add_request raised ValueError): a 400 with the
+        engine's reason; one too long for the engine says which part ("prompt" or
+        "max_new_tokens") and OpenAI's code for it."""
+        if isinstance(error, RequestTooLong):
+            return cls(rid, str(error), 400, param=error.field, code="context_length_exceeded")
+        return cls(rid, str(error), 400)
 
     @classmethod
     def internal(cls, rid: str, error: BaseException, what: str = "internal error") -> "ErrorOut":

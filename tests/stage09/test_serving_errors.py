@@ -114,7 +114,7 @@ BAD_INPUTS = [
         COMPLETIONS,
         {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4},
         400,
-        None,
+        "prompt",
         "context",
     ),
     (
@@ -122,10 +122,18 @@ BAD_INPUTS = [
         COMPLETIONS,
         {"model": "llama", "prompt": "a" * 1100, "max_tokens": 4, "stream": True},
         400,
-        None,
+        "prompt",
         "context",
     ),
-    ("prompt plus max_tokens beyond the context", CHAT, chat(max_tokens=1020), 400, None, "max_new_tokens"),
+    (
+        "messages longer than the context",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "a" * 1100}], max_tokens=4),
+        400,
+        "messages",
+        "context",
+    ),
+    ("prompt plus max_tokens beyond the context", CHAT, chat(max_tokens=1020), 400, "max_tokens", "max_new_tokens"),
     # --- hostile values: each must be refused before it reaches a worker (the server stays up) ---
     (
         "a lone surrogate in a message",
@@ -251,6 +259,14 @@ BAD_INPUTS = [
     ),
 ]
 
+# Refused by the engine itself (tokenized, then too long for its context): OpenAI's code for it.
+TOO_LONG_FOR_THE_ENGINE = {
+    "a prompt longer than the context",
+    "a streamed prompt longer than the context",
+    "messages longer than the context",
+    "prompt plus max_tokens beyond the context",
+}
+
 
 def assert_good_request_works(server, after: str) -> None:
     answer = post(server, CHAT, chat(max_tokens=3, temperature=0, stream=True))
@@ -287,6 +303,11 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
     if status == 404:
         assert error["code"] == "model_not_found", (
             f"{what}: OpenAI's code for an unknown model is 'model_not_found'; got {error}"
+        )
+    if what in TOO_LONG_FOR_THE_ENGINE:
+        assert error["code"] == "context_length_exceeded", (
+            f"{what}: the engine refused it as too long, which OpenAI's clients know by the code "
+            f"'context_length_exceeded' (send ErrorOut.refused(rid, error)); got {error}"
         )
     assert_good_request_works(tiny_server, what)
 
