@@ -1088,6 +1088,16 @@ MUTANTS: list[Mutant] = [
         r"400|context|served",
     ),
     Mutant(
+        "s09-refused-without-its-code",
+        "s09_zmq_serving/scheduler_process.py",
+        "a request too long for the engine is answered with OpenAI's code and the part to shorten (ErrorOut.refused)",
+        edit(
+            "            self.send_to_detokenizer.send_pyobj(ErrorOut.refused(req.rid, error))",
+            "            self.send_to_detokenizer.send_pyobj(ErrorOut(req.rid, str(error), 400))",
+        ),
+        r"context_length_exceeded|refused|param",
+    ),
+    Mutant(
         "s09-abort-only-forgets",
         "s09_zmq_serving/scheduler_process.py",
         "an abort ends the request IN THE ENGINE (its KV is freed), not only in the scheduler's own table",

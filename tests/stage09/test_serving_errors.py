@@ -297,17 +297,17 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
     assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
         f"{what}: the error must hold message, type, param and code; got {error}"
     )
+    if what in TOO_LONG_FOR_THE_ENGINE:
+        assert error["code"] == "context_length_exceeded", (
+            f"{what}: the engine refused it as too long, which OpenAI's clients know by the code "
+            f"'context_length_exceeded' (send ErrorOut.refused(rid, error)); got {error}"
+        )
     if param is not None:
         assert error["param"] == param, f"{what}: the error should name param {param!r}; got {error}"
     assert words in error["message"], f"{what}: the message should say {words!r}; got {error['message']!r}"
     if status == 404:
         assert error["code"] == "model_not_found", (
             f"{what}: OpenAI's code for an unknown model is 'model_not_found'; got {error}"
-        )
-    if what in TOO_LONG_FOR_THE_ENGINE:
-        assert error["code"] == "context_length_exceeded", (
-            f"{what}: the engine refused it as too long, which OpenAI's clients know by the code "
-            f"'context_length_exceeded' (send ErrorOut.refused(rid, error)); got {error}"
         )
     assert_good_request_works(tiny_server, what)
 
