@@ -30,20 +30,11 @@ from s04_paged_kv_pool.model_runner import ModelRunner
 
 from .prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from .schedule_batch import ScheduleBatch, slots_to_extend
+from .servable import check_servable
 from .trace import StepTrace
 
 # Why a request leaves the running batch; the prefix cache hears it (see Scheduler.keep_kv_of).
 LeaveReason = Literal["finished", "retracted", "aborted"]
-
-
-class RequestTooLong(ValueError):
-    """A request that could never fit this engine (the model's context, the KV pool or the request
-    table), whatever else runs. ``field`` is what its caller would shorten: "prompt" or
-    "max_new_tokens" (a server answers it as OpenAI's ``context_length_exceeded``)."""
-
-    def __init__(self, message: str, field: Literal["prompt", "max_new_tokens"]):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass
@@ -111,41 +102,14 @@ class Scheduler:
 
     def check_servable(self, req: Req) -> None:
         """Raise RequestTooLong (a ValueError) if ``req`` could never finish here, whatever else runs."""
-        prompt, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
-        longest = prompt + max_new - 1  # positions stored at the end (the last token is never fed back)
-        context = self.runner.model.config.max_position_embeddings
-        pool, table_width = self.runner.allocator.size, self.runner.req_to_token_pool.max_context_len
-        if prompt > context:
-            raise RequestTooLong(
-                f"request {req.rid}: its prompt has {prompt} tokens, more than the model's context of {context} tokens",
-                "prompt",
-            )
-        if longest > context:
-            raise RequestTooLong(
-                f"request {req.rid}: a prompt of {prompt} tokens plus max_new_tokens={max_new} needs {longest} "
-                "positions, "
-                f"more than the model's context of {context}; lower max_new_tokens to at most {context - prompt + 1}",
-                "max_new_tokens",
-            )
-        needed = pages_for(longest, self.page_size) * self.page_size
-        if needed > pool:
-            what = (
-                f"its prompt alone ({prompt} tokens)"
-                if prompt > pool
-                else f"a prompt of {prompt} tokens plus max_new_tokens={max_new}"
-            )
-            raise RequestTooLong(
-                f"request {req.rid}: {what} needs up to {needed} KV slots, but the whole KV pool has {pool}; "
-                "it could never finish. Make the pool bigger (pool_size) or lower max_new_tokens",
-                "prompt" if prompt > pool else "max_new_tokens",
-            )
-        if longest > table_width:
-            raise RequestTooLong(
-                f"request {req.rid}: it needs {longest} positions, but the request table holds {table_width} per "
-                "request "
-                "(max_context_len); raise max_context_len or lower max_new_tokens",
-                "prompt" if prompt > table_width else "max_new_tokens",
-            )
+        runner = self.runner
+        check_servable(
+            req,
+            context=runner.model.config.max_position_embeddings,
+            pool=runner.allocator.size,
+            table_width=runner.req_to_token_pool.max_context_len,
+            page_size=self.page_size,
+        )
 
     def add_request(self, req: Req) -> None:
         """Queue a new request (last in line). Raises ValueError, queueing nothing, if it could

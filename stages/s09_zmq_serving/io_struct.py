@@ -22,7 +22,7 @@ from typing import Any
 
 from s02_request_and_sampling.req import FinishReason
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s05_continuous_batching.scheduler import RequestTooLong
+from s05_continuous_batching.servable import RequestTooLong
 
 # --- API server -> tokenizer worker -> scheduler -------------------------------------------------
 
