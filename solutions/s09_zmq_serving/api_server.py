@@ -89,11 +89,13 @@ class OutputPiece:
 
 def rejection(error: ErrorOut, kind: str = "completion") -> InvalidRequest:
     """A worker's ErrorOut as the exception the app turns into OpenAI's error answer. The engine
-    names the part of a request that is too long as it knows it: the API's field for "prompt" is
-    a chat's ``messages``, for "max_new_tokens" ``max_tokens``."""
-    param = {"max_new_tokens": "max_tokens", "prompt": "messages" if kind == "chat" else "prompt"}.get(
-        error.param or "", error.param
-    )
+    names the part of a request that is too long as it knows it (ErrorOut.refused): the API's
+    field for "max_new_tokens" is ``max_tokens``, for a chat's "prompt" ``messages``."""
+    param = error.param
+    if param == "max_new_tokens":
+        param = "max_tokens"
+    elif param == "prompt" and kind == "chat":
+        param = "messages"
     return InvalidRequest(
         error.message,
         param=param,
