@@ -88,14 +88,10 @@ class OutputPiece:
 
 
 def rejection(error: ErrorOut, kind: str = "completion") -> InvalidRequest:
-    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer. The engine
-    names the part of a request that is too long as it knows it (ErrorOut.refused): the API's
-    field for "max_new_tokens" is ``max_tokens``, for a chat's "prompt" ``messages``."""
-    param = error.param
-    if param == "max_new_tokens":
-        param = "max_tokens"
-    elif param == "prompt" and kind == "chat":
-        param = "messages"
+    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer. A prompt too
+    long for the engine is refused as the "prompt" (ErrorOut.refused); a chat's prompt is its
+    ``messages``."""
+    param = "messages" if error.param == "prompt" and kind == "chat" else error.param
     return InvalidRequest(
         error.message,
         param=param,

@@ -121,10 +121,11 @@ class ErrorOut:
     @classmethod
     def refused(cls, rid: str, error: ValueError) -> "ErrorOut":
         """A request the engine can never serve (its add_request raised ValueError): a 400 with the
-        engine's reason; one too long for the engine says which part ("prompt" or
-        "max_new_tokens") and OpenAI's code for it."""
+        engine's reason. One too long for the engine is told in the API's words (``max_tokens``,
+        not the engine's max_new_tokens), with the part to shorten and OpenAI's code for it."""
         if isinstance(error, RequestTooLong):
-            return cls(rid, str(error), 400, param=error.field, code="context_length_exceeded")
+            param = "max_tokens" if error.field == "max_new_tokens" else "prompt"
+            return cls(rid, error.describe("max_tokens"), 400, param=param, code="context_length_exceeded")
         return cls(rid, str(error), 400)
 
     @classmethod

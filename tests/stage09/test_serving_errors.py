@@ -133,7 +133,14 @@ BAD_INPUTS = [
         "messages",
         "context",
     ),
-    ("prompt plus max_tokens beyond the context", CHAT, chat(max_tokens=1020), 400, "max_tokens", "max_new_tokens"),
+    (
+        "prompt plus max_tokens beyond the context",
+        CHAT,
+        chat(max_tokens=1020),
+        400,
+        "max_tokens",
+        "lower max_tokens to at most",
+    ),
     # --- hostile values: each must be refused before it reaches a worker (the server stays up) ---
     (
         "a lone surrogate in a message",
