@@ -17,18 +17,18 @@ Streaming answers are Server-Sent Events: one ``data: {json chunk}`` line (and a
 per piece, then ``data: [DONE]``. A client that goes away (the connection closes) has its
 request aborted: the scheduler frees its KV before its next step.
 
-Before any of that, the guards (README, "What can go wrong in a server"): ``RequestGuard`` checks
-the API key and reads the body under a size cap and a time limit before anything parses it; a
-request beyond the queue cap is answered 503 with Retry-After; every answer, even an error about
-a string that cannot be encoded, renders as OpenAI's JSON (``http_errors.py``); a request past
---request-timeout is aborted; /health reads the workers' heartbeats; and when the server stops,
-every request in flight is told so (a stream gets a last SSE error event, then ``data: [DONE]``).
+Before any of that, the guards (README, "What can go wrong in a server"): ``RequestGuard``
+(``request_guard.py``) checks the API key and reads the body under a size cap and a time limit
+before anything parses it; a request beyond the queue cap is answered 503 with Retry-After;
+every answer, even an error about a string that cannot be encoded, renders as OpenAI's JSON
+(``http_errors.py``); a request past --request-timeout is aborted; /health reads the workers'
+heartbeats; and when the server stops, every request in flight is told so (a stream gets a last
+SSE error event, then ``data: [DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -68,6 +68,7 @@ from .protocol import (
     to_sampling_params,
     usage,
 )
+from .request_guard import RequestGuard
 from .server_args import ServerArgs
 from .worker_loop import INJECTED, Heartbeats
 
@@ -229,68 +230,6 @@ async def stream_chunks(
         yield sse(make_chunk(None, None, usage(last.prompt_tokens, last.completion_tokens)))
     yield sse("[DONE]")
     # END EXERCISE
-
-
-class RequestGuard:
-    """ASGI middleware, before any route: the API key (401), then the body, read whole under a
-    size cap (413, before anyone parses it, whether or not the client declared its length) and
-    within ``read_timeout`` seconds (408). The route then gets the body from memory."""
-
-    def __init__(self, app, max_bytes: int, read_timeout: float, api_key: str | None):
-        self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
-        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith(("/v1/", "/debug/")):
-            if not secrets.compare_digest(headers.get(b"authorization", b""), self.api_key):
-                return await error_response(
-                    401,
-                    "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )(scope, receive, send)
-        declared = headers.get(b"content-length", b"0")
-        if not declared.isdigit():
-            return await error_response(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}")(
-                scope, receive, send
-            )
-        if int(declared) > self.max_bytes:
-            return await self.too_large(scope, receive, send)
-        body, more = bytearray(), True
-        deadline = asyncio.get_running_loop().time() + self.read_timeout
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
-                return await error_response(408, f"the request body did not arrive within {self.read_timeout:g} s")(
-                    scope, receive, send
-                )
-            if message["type"] == "http.disconnect":
-                return  # the client left while sending: nobody to answer
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                return await self.too_large(scope, receive, send)
-
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # then what comes after the body: the client's disconnect
-
-        await self.app(scope, replay, send)
-
-    async def too_large(self, scope, receive, send) -> None:
-        await error_response(
-            413,
-            f"the request body is larger than {self.max_bytes} bytes, the most this server takes (--max-request-bytes)",
-            code="request_too_large",
-        )(scope, receive, send)
 
 
 class DebugFault(BaseModel):

@@ -6,7 +6,7 @@ stays open forever, and any number of connections may be open at once. Here:
 - ``--read-timeout``: a request's headers must arrive within this many seconds of the
   connection opening (or of the previous answer on a kept-alive connection), else the connection
   is closed (``HeaderDeadlineH11Protocol``; uvicorn has no such timeout). The body gets the same
-  time again (``api_server.RequestGuard``).
+  time again (``request_guard.RequestGuard``).
 - ``--keep-alive-timeout``: an idle kept-alive connection is closed after this (uvicorn's 5 s).
 - ``--max-connections``: uvicorn's ``limit_concurrency``, open connections and requests in
   progress together; beyond it uvicorn answers 503 itself. It sits above the queue cap
