@@ -22,6 +22,7 @@ import impl_switch  # noqa: E402
 
 SWITCH = impl_switch.install()
 
+from stuck_watch import StuckWatch, frames_of, make_watch  # noqa: E402
 from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 STAGE_DIR = re.compile(r"stage(\d\d)$")
@@ -29,6 +30,22 @@ STAGE_DIR = re.compile(r"stage(\d\d)$")
 
 def pytest_report_header(config):
     return SWITCH.describe()
+
+
+STUCK_WATCH = pytest.StashKey[StuckWatch]()
+
+
+def pytest_configure(config):
+    roots = [Path(p).resolve() for p in (SWITCH.stages_dir, SWITCH.solutions_dir)]
+    config.stash[STUCK_WATCH] = make_watch(config, roots, REPO)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Each test's call under the stuck watch (stuck_watch.py): said at its mark, stopped if it is
+    where an earlier test got stuck."""
+    with item.config.stash[STUCK_WATCH].running(item.nodeid):
+        return (yield)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,16 +90,6 @@ def earlier_stage_hint(item, message: str) -> str:
     )
 
 
-def innermost_course_frame(excinfo) -> str | None:
-    """'stages/s06_.../radix_cache.py:180 in RadixCache._update_lock': the innermost frame of the
-    traceback in the course's code (stages/ or solutions/, wherever the switch points), or None."""
-    roots = [p.resolve() for p in (SWITCH.stages_dir, SWITCH.solutions_dir)]
-    for entry in reversed(excinfo.traceback):
-        if any(Path(entry.path).resolve().is_relative_to(root) for root in roots):
-            return frame_location(entry)
-    return None
-
-
 TIMED_OUT = re.compile(r"Timeout \(>([\d.]+)s\) from pytest-timeout")
 
 
@@ -99,11 +106,12 @@ def pytest_runtest_makereport(item, call):
     report = yield
     limit = timeout_seconds(call.excinfo) if call.excinfo is not None else None
     if limit is not None:
-        where = innermost_course_frame(call.excinfo)
+        where = item.config.stash[STUCK_WATCH].got_stuck(item.nodeid, frames_of(call.excinfo))
         running = f"; when it was stopped, it was running {where}" if where else ""
         report.longrepr = (
             f"stuck: the test ran past {limit:g} s{running}. A loop that never ends? The traceback below "
-            f"ends where it was (PYTEST_TIMEOUT=SECONDS changes the limit).\n\n{report.longrepr}"
+            "ends where it was (PYTEST_TIMEOUT=SECONDS changes the limit; a later test found in the same "
+            f"place is stopped at its ENGINE_STILL_RUNNING_S mark instead).\n\n{report.longrepr}"
         )
     if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError):
         message = str(call.excinfo.value)

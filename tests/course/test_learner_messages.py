@@ -4,12 +4,14 @@ Runs pytest on the real skeleton in stages/, as `make stage-4` does, and checks 
 failure names the file, line and function to write, that an earlier stage's exercise says how
 to test this stage without it, that the summary lists each exercise once, that code which
 does not import says why without pages of import machinery, and that a test stuck in a loop
-fails at the timeout naming the line it was running.
+is announced at its mark, fails at the timeout naming the line it was running, and that the next
+test stuck in the same function fails at its own mark.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 from impl_switch import SWITCH_VARS
 
 REPO = Path(__file__).resolve().parents[2]
+LIMIT_VARS = ("PYTEST_TIMEOUT", "ENGINE_STILL_RUNNING_S")  # a learner's own settings must not change these runs
 
 
 def learner_run(
@@ -26,13 +29,16 @@ def learner_run(
     stages_dir: Path | None = None,
     exit_code: int = 1,
     test_timeout_s: int | None = None,
+    still_running_s: int | None = None,
 ) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS and k != "PYTEST_TIMEOUT"}
+    env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS and k not in LIMIT_VARS}
     env.update(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto))
     if stages_dir is not None:
         env["ENGINE_STAGES_DIR"] = str(stages_dir)
     if test_timeout_s is not None:
         env["PYTEST_TIMEOUT"] = str(test_timeout_s)
+    if still_running_s is not None:
+        env["ENGINE_STILL_RUNNING_S"] = str(still_running_s)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", *tests, "-q", "--tb=short", "-p", "no:cacheprovider"],
         cwd=REPO,
@@ -79,16 +85,25 @@ def test_a_syntax_error_in_your_stage_is_short_and_named(tmp_path):
     assert "importlib" not in done, f"the import machinery's frames should be cut:\n{done[-3000:]}"
 
 
-def test_a_stuck_test_fails_and_names_the_line_it_was_running(tmp_path):
-    """A loop that never ends (here: a lock that never walks up to the root) stops one test at the
-    timeout, and its failure starts with the line of the learner's code it was running."""
+def test_a_stuck_test_is_announced_fails_and_the_next_one_there_fails_sooner(tmp_path):
+    """A loop that never ends (here: a lock that never walks up to the root) is announced at its
+    mark, stops its test at the timeout, with the line of the learner's code it was running, and
+    the next test stuck in the same function stops at its own mark (tests/stuck_watch.py)."""
     stages = tmp_path / "stages"
     shutil.copytree(REPO / "solutions", stages, ignore=shutil.ignore_patterns("__pycache__", "s00_foundation"))
     radix = stages / "s06_radix_cache" / "radix_cache.py"
     code = radix.read_text()
     assert code.count("            node = node.parent\n") == 1
     radix.write_text(code.replace("            node = node.parent\n", ""))
-    test = "tests/stage06/test_radix_tree.py::test_locked_nodes_survive_eviction_and_lru_goes_first"
-    out = learner_run(test, stages_dir=stages, test_timeout_s=5)
-    assert "stuck: the test ran past 5 s; when it was stopped, it was running" in out, out[-3000:]
+    first = "tests/stage06/test_radix_tree.py::test_locked_nodes_survive_eviction_and_lru_goes_first"
+    second = "tests/stage06/test_radix_tree.py::test_an_unlock_without_a_matching_lock_raises_and_changes_nothing"
+    out = learner_run(first, second, "--durations=0", stages_dir=stages, test_timeout_s=10, still_running_s=2)
+    assert f"[still running after 2 s] {first}; now in " in out, out[-3000:]
+    assert "stuck: the test ran past 10 s; when it was stopped, it was running" in out, out[-3000:]
     assert "s06_radix_cache/radix_cache.py:" in out and "in RadixCache._update_lock" in out, out[-3000:]
+    # The second test loops in the same function: stopped at its 2-second mark, not at 20 s.
+    assert "stuck again: still running after 2 s in " in out and f"where {first} got stuck before" in out, out[-3000:]
+    took = re.search(rf"([\d.]+)s call +{re.escape(second)}", out)
+    assert took is not None and float(took.group(1)) < 8, (
+        f"the second stuck test should stop at its 2 s mark, well before the 10 s limit: {out[-1500:]}"
+    )

@@ -1,0 +1,193 @@
+"""A test stuck in a loop: said within seconds, and not waited for again.
+
+pytest-timeout (``timeout`` in pyproject.toml) fails a test that runs past its limit, so a loop
+that never ends cannot hold a run forever. Alone it is slow to say so: a learner whose loop
+forgets to stop saw nothing for five minutes, then the same five minutes for every other test
+that calls that loop (17 tests of stage 1: 85 minutes of silence). So every test is watched:
+
+- after ``ENGINE_STILL_RUNNING_S`` seconds (default 30) a test still running is announced on the
+  terminal with the line of the course's code it is in, so Ctrl-C can come at once;
+- once a test got stuck, the innermost function of the course's code it was in is remembered
+  (when it was stopped, and at its mark); a later test found in one of those at its own mark
+  fails there as stuck again, without waiting out the limit a second time.
+
+"The course's code" is the learner's (stages/) when the stack holds any of it, else the reference
+(solutions/). Where a test is, is looked at a few times at its mark, because a loop spends its
+time in several functions (a generate loop and the forward it calls). Only the innermost is
+compared: a correct test that is merely slow has the same outer frames as a stuck one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable
+
+import pytest
+
+SAMPLES = 5  # looks at the stack, SAMPLE_GAP_S apart: a loop moves between its functions
+SAMPLE_GAP_S = 0.05
+INTERRUPT = getattr(signal, "SIGUSR2", None)  # how the watch stops the main thread (POSIX only)
+
+Frame = tuple[str, int, str]  # (file, line, function)
+
+
+def course_frames(frames: Iterable[Frame], roots: list[Path], repo: Path) -> list[tuple[str, Frame]]:
+    """The frames of ``frames`` (outermost first) in the first of ``roots`` that holds any, each as
+    'stages/s01_.../generate.py:43 in naive_generate' and the frame, outermost first."""
+    frames = list(frames)
+    for root in roots:
+        found = []
+        for filename, line, function in frames:
+            path = Path(filename).resolve()
+            if path.is_relative_to(root):
+                shown = path.relative_to(repo) if path.is_relative_to(repo) else path
+                found.append((f"{shown}:{line} in {function}", (str(path), line, function)))
+        if found:
+            return found
+    return []
+
+
+def innermost(found: list[tuple[str, Frame]]) -> set[tuple[str, str]]:
+    """The innermost course frame's (file, function), as a set (empty if there is none). Only that
+    one is compared: an outer one (a generate loop) is on the stack of every test, stuck or not."""
+    return {(found[-1][1][0], found[-1][1][2])} if found else set()
+
+
+def call_path(found: list[tuple[str, Frame]]) -> str:
+    """'stages/s01_.../generate.py:43 in naive_generate > :26 in next_token_logits': where a test is,
+    the outermost course frame first (a loop is in one of them); a file named once."""
+    parts, last_file = [], None
+    for shown, (path, _, _) in found:
+        parts.append(shown if path != last_file else shown[shown.rindex(":") :])
+        last_file = path
+    return " > ".join(parts)
+
+
+def stack_of(thread_id: int) -> list[Frame]:
+    """The frames a running thread is in now, outermost first."""
+    frame = sys._current_frames().get(thread_id)
+    frames: list[Frame] = []
+    while frame is not None:
+        code = frame.f_code
+        frames.append((code.co_filename, frame.f_lineno, getattr(code, "co_qualname", code.co_name)))
+        frame = frame.f_back
+    return frames[::-1]
+
+
+class StuckWatch:
+    """Watches each test's call on a thread of its own (see the module docstring)."""
+
+    def __init__(self, roots: list[Path], repo: Path, after_s: float, say: Callable[[str], None] | None):
+        self.roots, self.repo, self.after_s, self.say = roots, repo, after_s, say
+        self.stuck_in: dict[tuple[str, str], str] = {}  # (file, function) a test got stuck in -> that test
+        self.seen: dict[str, set[tuple[str, str]]] = {}  # test -> where it was at its mark (kept if it gets stuck)
+        self.failing: str | None = None  # the message the main thread raises when interrupted
+        self.lock = threading.Lock()
+        if INTERRUPT is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(INTERRUPT, self.interrupted)
+
+    def where(self, frames: Iterable[Frame]) -> list[tuple[str, Frame]]:
+        return course_frames(frames, self.roots, self.repo)
+
+    @contextmanager
+    def running(self, nodeid: str):
+        """Around one test's call: the watch thread wakes at the mark unless the test ended."""
+        ended = threading.Event()
+        thread = threading.Thread(
+            target=self.watch, args=(nodeid, threading.get_ident(), ended), name="stuck-watch", daemon=True
+        )
+        thread.start()
+        try:
+            yield
+        finally:
+            with self.lock:
+                ended.set()
+                self.failing = None
+
+    def watch(self, nodeid: str, thread_id: int, ended: threading.Event) -> None:
+        if ended.wait(self.after_s):
+            return
+        places: set[tuple[str, str]] = set()  # the innermost course function of each look
+        path_now = ""
+        for _ in range(SAMPLES):
+            found = self.where(stack_of(thread_id))
+            places |= innermost(found)
+            path_now = call_path(found) or path_now
+            if ended.wait(SAMPLE_GAP_S):
+                return
+        self.seen[nodeid] = places
+        again = next((place for place in places if place in self.stuck_in), None)
+        if again is not None and INTERRUPT is not None:
+            with self.lock:
+                if ended.is_set():
+                    return
+                self.failing = (
+                    f"stuck again: still running after {self.after_s:g} s in {path_now}, where "
+                    f"{self.stuck_in[again]} got stuck before; stopped now instead of at the time limit. "
+                    "A loop that never ends? (If it is only slow: ENGINE_STILL_RUNNING_S=SECONDS.)"
+                )
+                signal.pthread_kill(thread_id, INTERRUPT)
+        elif self.say is not None:
+            now = f"; now in {path_now}" if path_now else ""
+            self.say(
+                f"\n[still running after {self.after_s:g} s] {nodeid}{now}. Most tests take seconds: "
+                "if this one goes on, a loop may never end (Ctrl-C stops the run; the test fails at its "
+                "time limit).\n"
+            )
+
+    def interrupted(self, signum, frame) -> None:
+        """In the main thread: fail the test the watch found stuck again (if it is still running)."""
+        __tracebackhide__ = True  # the test's traceback ends in its own code, not here
+        with self.lock:
+            message, self.failing = self.failing, None
+        if message is not None:
+            pytest.fail(message, pytrace=True)
+
+    def got_stuck(self, nodeid: str, frames: Iterable[Frame]) -> str | None:
+        """A test stopped by the time limit: remember where it was (its innermost course function
+        then and at its mark); returns its call path, None if it was in no course code."""
+        found = self.where(frames)
+        places = self.seen.pop(nodeid, set()) | innermost(found)
+        for place in places:
+            self.stuck_in.setdefault(place, nodeid)
+        return call_path(found) or None
+
+
+def terminal_writer() -> Callable[[str], None]:
+    """Write to the terminal from any thread, past pytest's capture of the test's output: a copy
+    of stdout's descriptor taken before any test runs (capture redirects the descriptor itself)."""
+    fd = os.dup(1)
+
+    def write(text: str) -> None:
+        os.write(fd, text.encode(errors="replace"))
+
+    return write
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    try:
+        return float(value) if value else default
+    except ValueError:
+        raise pytest.UsageError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
+def make_watch(config, roots: list[Path], repo: Path) -> StuckWatch:
+    """The session's watch; it announces only where a terminal reads this process's output (not in
+    a pytest-xdist worker, whose output nobody sees)."""
+    after_s = seconds_from_env("ENGINE_STILL_RUNNING_S", 30.0)
+    worker = hasattr(config, "workerinput")
+    return StuckWatch(roots, repo, after_s, None if worker else terminal_writer())
+
+
+def frames_of(excinfo) -> list[Frame]:
+    """A traceback's frames, outermost first, as ``Frame`` tuples."""
+    return [
+        (str(entry.path), entry.lineno + 1, getattr(entry.frame.code.raw, "co_qualname", entry.frame.code.raw.co_name))
+        for entry in excinfo.traceback
+    ]
