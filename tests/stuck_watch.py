@@ -87,7 +87,8 @@ class StuckWatch:
         self.stuck_in: dict[tuple[str, str], str] = {}  # (file, function) a test got stuck in -> that test
         self.seen: dict[str, set[tuple[str, str]]] = {}  # test -> where it was at its mark (kept if it gets stuck)
         self.failing: str | None = None  # the message the main thread raises when interrupted
-        self.lock = threading.Lock()
+        # Reentrant: the signal handler runs on the main thread, possibly while that thread holds it.
+        self.lock = threading.RLock()
         if INTERRUPT is not None and threading.current_thread() is threading.main_thread():
             signal.signal(INTERRUPT, self.interrupted)
 
