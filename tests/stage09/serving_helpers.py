@@ -16,8 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import requests
+import urllib3
 from openai import AsyncOpenAI
 
 from reference import engine_model, engine_tokenizer
@@ -28,6 +30,11 @@ from soak_serving import stream_problems
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
+
+# After a request that got no answer in time, one good request must be answered within this
+# (a tiny model answers one token in well under a second): else the server is not waited on again.
+CANARY_TIMEOUT_S = 15
+CANARY_REQUEST = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
 
 TINY_FAMILY = "llama"
 # Every stage-9 server serves stage 8's engine: without --disable-overlap the server runs stage
@@ -80,6 +87,8 @@ class Server:
     ):
         self.model = model
         self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self.unanswered: str | None = None  # a test whose request got no answer in time (see check_answering)
+        self.silent: str | None = None  # why the server is not asked again
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
         self.log_path, self.log = Path(name), os.fdopen(fd, "w")
         flags = [*(["--enable-debug-endpoints"] if debug else []), *(["--api-key", api_key] if api_key else [])]
@@ -118,6 +127,30 @@ class Server:
         code = self.process.proc.poll()
         if code is not None:
             pytest.fail(f"the server on {self.model.name} has exited (code {code}):\n{self.why()}", pytrace=False)
+
+    def check_answering(self) -> None:
+        """After a test whose request got no answer in time (``unanswered``): one good request of
+        one token, given CANARY_TIMEOUT_S. Answered: the server is trusted again. Not: this test
+        and every later one on this server fail at once, instead of each waiting minutes."""
+        if self.unanswered is None:
+            return
+        if self.silent is None:
+            try:
+                canary = CANARY_REQUEST | {"model": self.model.name}
+                answer = post(self, "/v1/completions", canary, timeout=CANARY_TIMEOUT_S)
+                if answer.status_code == 200:
+                    self.unanswered = None
+                    return
+                got = f"it answered {answer.status_code}: {answer.text[:200]}"
+            except requests.exceptions.RequestException as error:
+                got = f"no answer within {CANARY_TIMEOUT_S:g} s ({type(error).__name__})"
+            self.silent = (
+                f"not run: the server on {self.model.name} left a request of {self.unanswered} unanswered, and a "
+                f"one-token completion sent since got {got}. Does every request reach the engine, and do its "
+                "outputs go back through the detokenizer? (Every later test on this server fails the same way, "
+                "at once.)\n" + self.why()
+            )
+        pytest.fail(self.silent, pytrace=False)
 
     def get(self, path: str, timeout: float = 60) -> requests.Response:
         return requests.get(self.base_url + path, headers=self.headers, timeout=timeout)
@@ -269,6 +302,22 @@ def check_stream_shape(chunks: list[dict], kind: str, request: dict, what: str) 
     asked = bool((request.get("stream_options") or {}).get("include_usage"))
     problems = stream_problems(chunks, kind == "chat", asked)
     assert not problems, f"{what}: " + "; ".join(problems)
+
+
+def waited_in_vain(error: BaseException | None) -> bool:
+    """Whether a test failed because an answer never came: a read timeout of requests (also inside
+    a stream, where requests wraps urllib3's) or of the openai client, or pytest's own limit."""
+    while error is not None:
+        if isinstance(error, (requests.exceptions.Timeout, openai.APITimeoutError)):
+            return True
+        if isinstance(error, requests.exceptions.ConnectionError) and any(
+            isinstance(arg, urllib3.exceptions.ReadTimeoutError) for arg in error.args
+        ):
+            return True
+        if "from pytest-timeout" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def post(
