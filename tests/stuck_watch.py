@@ -134,11 +134,13 @@ class StuckWatch:
                 )
                 signal.pthread_kill(thread_id, INTERRUPT)
         elif self.say is not None:
-            now = f"; now in {path_now}" if path_now else ""
+            if path_now:
+                now = f"; now in {path_now}. Most tests take seconds: if this one goes on, a loop may never end"
+            else:  # e.g. a stage 9 test waiting for its server, whose code runs in other processes
+                now = ", waiting outside this process's course code (for a server's answer, say)"
             self.say(
-                f"\n[still running after {self.after_s:g} s] {nodeid}{now}. Most tests take seconds: "
-                "if this one goes on, a loop may never end (Ctrl-C stops the run; the test fails at its "
-                "time limit).\n"
+                f"\n[still running after {self.after_s:g} s] {nodeid}{now} (Ctrl-C stops the run; the test fails "
+                "at its time limit).\n"
             )
 
     def interrupted(self, signum, frame) -> None:

@@ -134,23 +134,24 @@ class Server:
         and every later one on this server fail at once, instead of each waiting minutes."""
         if self.unanswered is None:
             return
-        if self.silent is None:
-            try:
-                canary = CANARY_REQUEST | {"model": self.model.name}
-                answer = post(self, "/v1/completions", canary, timeout=CANARY_TIMEOUT_S)
-                if answer.status_code == 200:
-                    self.unanswered = None
-                    return
-                got = f"it answered {answer.status_code}: {answer.text[:200]}"
-            except requests.exceptions.RequestException as error:
-                got = f"no answer within {CANARY_TIMEOUT_S:g} s ({type(error).__name__})"
-            self.silent = (
-                f"not run: the server on {self.model.name} left a request of {self.unanswered} unanswered, and a "
-                f"one-token completion sent since got {got}. Does every request reach the engine, and do its "
-                "outputs go back through the detokenizer? (Every later test on this server fails the same way, "
-                "at once.)\n" + self.why()
-            )
-        pytest.fail(self.silent, pytrace=False)
+        if self.silent is not None:
+            pytest.fail(self.silent, pytrace=False)
+        try:
+            canary = CANARY_REQUEST | {"model": self.model.name}
+            answer = post(self, "/v1/completions", canary, timeout=CANARY_TIMEOUT_S)
+            if answer.status_code == 200:
+                self.unanswered = None
+                return
+            got = f"it answered {answer.status_code}: {answer.text[:200]}"
+        except requests.exceptions.RequestException as error:
+            got = f"no answer within {CANARY_TIMEOUT_S:g} s ({type(error).__name__})"
+        self.silent = f"not run: the server on {self.model.name} does not answer (the first 'not run' above says why)"
+        pytest.fail(
+            f"not run: the server on {self.model.name} left a request of {self.unanswered} unanswered, and a "
+            f"one-token completion sent since got {got}. Does every request reach the engine, and do its "
+            "outputs go back through the detokenizer? (Every later test on this server fails at once.)\n" + self.why(),
+            pytrace=False,
+        )
 
     def get(self, path: str, timeout: float = 60) -> requests.Response:
         return requests.get(self.base_url + path, headers=self.headers, timeout=timeout)
