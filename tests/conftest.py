@@ -40,10 +40,18 @@ def pytest_configure(config):
     config.stash[STUCK_WATCH] = make_watch(config, roots, REPO)
 
 
+def servers_of(item) -> list:
+    """The running servers a test uses as fixtures (stage 9's ``Server``, also in stages 10-12)."""
+    return [value for value in getattr(item, "funcargs", {}).values() if hasattr(value, "check_answering")]
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Each test's call under the stuck watch (stuck_watch.py): said at its mark, stopped if it is
-    where an earlier test got stuck."""
+    where an earlier test got stuck. A server that left an earlier test waiting in vain must first
+    answer a one-token request (Server.check_answering), or the test fails at once."""
+    for server in servers_of(item):
+        server.check_answering()
     with item.config.stash[STUCK_WATCH].running(item.nodeid):
         return (yield)
 
@@ -104,6 +112,14 @@ def pytest_runtest_makereport(item, call):
     """A stage exercise not written yet fails with where and what to write instead of a traceback;
     a test stopped by the timeout starts with where the course's code was running when it stopped."""
     report = yield
+    if call.when == "call" and call.excinfo is not None:
+        waited = [server.note_failure(item.nodeid, call.excinfo.value) for server in servers_of(item)]
+        if any(waited):
+            report.longrepr = (
+                "no answer: a request to the server got no answer in time. Does every request reach the engine, "
+                "and do its outputs go back through the detokenizer? The next test on this server first checks "
+                f"that it answers a one-token request.\n\n{report.longrepr}"
+            )
     limit = timeout_seconds(call.excinfo) if call.excinfo is not None else None
     if limit is not None:
         where = item.config.stash[STUCK_WATCH].got_stuck(item.nodeid, frames_of(call.excinfo))

@@ -8,16 +8,7 @@ import shutil
 
 import pytest
 
-from serving_helpers import (
-    DEFAULT_ARGS,
-    GUARD_ARGS,
-    GUARD_KEY,
-    NAMED_TEMPLATE,
-    TINY_ARGS,
-    TINY_FAMILY,
-    Server,
-    waited_in_vain,
-)
+from serving_helpers import DEFAULT_ARGS, GUARD_ARGS, GUARD_KEY, NAMED_TEMPLATE, TINY_ARGS, TINY_FAMILY, Server
 
 
 def running(model, args: list[str], log_dir, **options):
@@ -28,29 +19,10 @@ def running(model, args: list[str], log_dir, **options):
 
 
 def alive(server: Server) -> Server:
-    """The server, checked alive before a test (a dead one says why), and answering if an earlier
-    test waited in vain for it (Server.check_answering)."""
+    """The server, checked alive before a test (a dead one says why). Whether it still answers is
+    checked for every test that uses a server (tests/conftest.py, Server.check_answering)."""
     server.check_alive()
-    server.check_answering()
     return server
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A test that waited in vain for an answer marks the servers it used (checked by ``alive``)
-    and says first what it means."""
-    report = yield
-    if call.when == "call" and call.excinfo is not None and waited_in_vain(call.excinfo.value):
-        servers = [value for value in getattr(item, "funcargs", {}).values() if isinstance(value, Server)]
-        for server in servers:
-            server.unanswered = server.unanswered or item.nodeid
-        if servers:
-            report.longrepr = (
-                "no answer: a request to the server got no answer in time. Does every request reach the "
-                "engine, and do its outputs go back through the detokenizer? The next test on this server "
-                f"first checks that it answers a one-token request.\n\n{report.longrepr}"
-            )
-    return report
 
 
 @pytest.fixture(scope="session")

@@ -128,6 +128,14 @@ class Server:
         if code is not None:
             pytest.fail(f"the server on {self.model.name} has exited (code {code}):\n{self.why()}", pytrace=False)
 
+    def note_failure(self, nodeid: str, error: BaseException) -> bool:
+        """A test on this server failed with ``error``: if it waited in vain for an answer, remember
+        the test (check_answering asks before the next one) and say True."""
+        if not waited_in_vain(error):
+            return False
+        self.unanswered = self.unanswered or nodeid
+        return True
+
     def check_answering(self) -> None:
         """After a test whose request got no answer in time (``unanswered``): one good request of
         one token, given CANARY_TIMEOUT_S. Answered: the server is trusted again. Not: this test
