@@ -41,7 +41,7 @@ def pytest_configure(config):
 
 
 def servers_of(item) -> list:
-    """The running servers a test uses as fixtures (stage 9's ``Server``, also in stages 10-12)."""
+    """The running servers a test uses as fixtures (stage 9's ``Server``, also in stages 10 and 11)."""
     return [value for value in getattr(item, "funcargs", {}).values() if hasattr(value, "check_answering")]
 
 
@@ -110,7 +110,8 @@ def timeout_seconds(excinfo) -> float | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A stage exercise not written yet fails with where and what to write instead of a traceback;
-    a test stopped by the timeout starts with where the course's code was running when it stopped."""
+    a test stopped by the timeout starts with where the course's code was running when it stopped;
+    one that waited in vain for a server's answer says so first (and its server is asked next time)."""
     report = yield
     if call.when == "call" and call.excinfo is not None:
         waited = [server.note_failure(item.nodeid, call.excinfo.value) for server in servers_of(item)]

@@ -175,9 +175,12 @@ def terminal_writer() -> Callable[[str], None]:
 def seconds_from_env(name: str, default: float) -> float:
     value = os.environ.get(name, "")
     try:
-        return float(value) if value else default
+        seconds = float(value) if value else default
     except ValueError:
-        raise pytest.UsageError(f"{name} must be a number of seconds, got {value!r}") from None
+        seconds = -1.0
+    if not seconds > 0:  # also NaN
+        raise pytest.UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def make_watch(config, roots: list[Path], repo: Path) -> StuckWatch:
