@@ -22,7 +22,7 @@ import impl_switch  # noqa: E402
 
 SWITCH = impl_switch.install()
 
-from stuck_watch import StuckWatch, frames_of, make_watch  # noqa: E402
+from stuck_watch import StuckWatch, frame_of, frames_of, location, make_watch, timed_out_after  # noqa: E402
 from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 STAGE_DIR = re.compile(r"stage(\d\d)$")
@@ -72,18 +72,9 @@ EARLIER_STAGE_HINTS = pytest.StashKey[set[str]]()
 EXERCISE_STAGE = re.compile(r"Stage (\d+):")
 
 
-def frame_location(entry) -> str:
-    """A traceback entry as 'stages/s04_.../allocator.py:84 in TokenToKVPoolAllocator.alloc_extend'."""
-    code = entry.frame.code.raw
-    path = Path(entry.path).resolve()
-    if path.is_relative_to(REPO):
-        path = path.relative_to(REPO)
-    return f"{path}:{entry.lineno + 1} in {getattr(code, 'co_qualname', code.co_name)}"
-
-
 def exercise_location(excinfo) -> str:
     """Where the skeleton raised."""
-    return frame_location(excinfo.traceback[-1])
+    return location(frame_of(excinfo.traceback[-1]), REPO)
 
 
 def earlier_stage_hint(item, message: str) -> str:
@@ -96,15 +87,6 @@ def earlier_stage_hint(item, message: str) -> str:
         f"\n   (stage {earlier} comes before stage {stage}: finish it, or test stage {stage} on the "
         f"reference stages 1-{stage - 1}: make stage-{stage} REFERENCE_UPTO={stage - 1})"
     )
-
-
-TIMED_OUT = re.compile(r"Timeout \(>([\d.]+)s\) from pytest-timeout")
-
-
-def timeout_seconds(excinfo) -> float | None:
-    """The limit that pytest-timeout stopped the test at (``timeout`` in pyproject.toml), or None."""
-    found = TIMED_OUT.match(str(excinfo.value)) if excinfo.errisinstance(pytest.fail.Exception) else None
-    return float(found.group(1)) if found else None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -121,7 +103,7 @@ def pytest_runtest_makereport(item, call):
                 "and do its outputs go back through the detokenizer? The next test on this server first checks "
                 f"that it answers a one-token request.\n\n{report.longrepr}"
             )
-    limit = timeout_seconds(call.excinfo) if call.excinfo is not None else None
+    limit = timed_out_after(call.excinfo.value) if call.excinfo is not None else None
     if limit is not None:
         where = item.config.stash[STUCK_WATCH].got_stuck(item.nodeid, frames_of(call.excinfo))
         running = f"; when it was stopped, it was running {where}" if where else ""

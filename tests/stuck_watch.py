@@ -20,6 +20,7 @@ compared: a correct test that is merely slow has the same outer frames as a stuc
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -33,20 +34,30 @@ SAMPLES = 5  # looks at the stack, SAMPLE_GAP_S apart: a loop moves between its 
 SAMPLE_GAP_S = 0.05
 INTERRUPT = getattr(signal, "SIGUSR2", None)  # how the watch stops the main thread (POSIX only)
 
+TIMED_OUT = re.compile(r"Timeout \(>([\d.]+)s\) from pytest-timeout")
+
 Frame = tuple[str, int, str]  # (file, line, function)
+
+
+def timed_out_after(error: BaseException) -> float | None:
+    """The limit pytest-timeout stopped a test at (``timeout`` in pyproject.toml), or None."""
+    found = TIMED_OUT.match(str(error)) if isinstance(error, pytest.fail.Exception) else None
+    return float(found.group(1)) if found else None
+
+
+def location(frame: Frame, repo: Path) -> str:
+    """'stages/s04_.../allocator.py:84 in TokenToKVPoolAllocator.alloc_extend' (relative to ``repo``)."""
+    filename, line, function = frame
+    path = Path(filename).resolve()
+    return f"{path.relative_to(repo) if path.is_relative_to(repo) else path}:{line} in {function}"
 
 
 def course_frames(frames: Iterable[Frame], roots: list[Path], repo: Path) -> list[tuple[str, Frame]]:
     """The frames of ``frames`` (outermost first) in the first of ``roots`` that holds any, each as
-    'stages/s01_.../generate.py:43 in naive_generate' and the frame, outermost first."""
-    frames = list(frames)
+    its ``location`` and the frame (its file resolved), outermost first."""
+    frames = [(str(Path(filename).resolve()), line, function) for filename, line, function in frames]
     for root in roots:
-        found = []
-        for filename, line, function in frames:
-            path = Path(filename).resolve()
-            if path.is_relative_to(root):
-                shown = path.relative_to(repo) if path.is_relative_to(repo) else path
-                found.append((f"{shown}:{line} in {function}", (str(path), line, function)))
+        found = [(location(frame, repo), frame) for frame in frames if Path(frame[0]).is_relative_to(root)]
         if found:
             return found
     return []
@@ -191,9 +202,12 @@ def make_watch(config, roots: list[Path], repo: Path) -> StuckWatch:
     return StuckWatch(roots, repo, after_s, None if worker else terminal_writer())
 
 
+def frame_of(entry) -> Frame:
+    """A pytest traceback entry as a ``Frame`` (its function by qualified name where Python has one)."""
+    code = entry.frame.code.raw
+    return str(entry.path), entry.lineno + 1, getattr(code, "co_qualname", code.co_name)
+
+
 def frames_of(excinfo) -> list[Frame]:
-    """A traceback's frames, outermost first, as ``Frame`` tuples."""
-    return [
-        (str(entry.path), entry.lineno + 1, getattr(entry.frame.code.raw, "co_qualname", entry.frame.code.raw.co_name))
-        for entry in excinfo.traceback
-    ]
+    """A traceback's frames, outermost first."""
+    return [frame_of(entry) for entry in excinfo.traceback]

@@ -101,7 +101,7 @@ def test_a_stuck_test_is_announced_fails_and_the_next_one_there_fails_sooner(tmp
     assert f"[still running after 2 s] {first}; now in " in out, out[-3000:]
     assert "stuck: the test ran past 10 s; when it was stopped, it was running" in out, out[-3000:]
     assert "s06_radix_cache/radix_cache.py:" in out and "in RadixCache._update_lock" in out, out[-3000:]
-    # The second test loops in the same function: stopped at its 2-second mark, not at 20 s.
+    # The second test loops in the same function: stopped at its 2-second mark, not at 10 s.
     assert "stuck again: still running after 2 s in " in out and f"where {first} got stuck before" in out, out[-3000:]
     took = re.search(rf"([\d.]+)s call +{re.escape(second)}", out)
     assert took is not None and float(took.group(1)) < 8, (

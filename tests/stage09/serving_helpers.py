@@ -27,6 +27,7 @@ from s02_request_and_sampling.sampling_params import SamplingParams
 from s08_cuda_graph.engine import CudaGraphEngine  # the engine these servers run (SERVED_ENGINE)
 from s09_zmq_serving.server_process import ServerProcess
 from soak_serving import stream_problems
+from stuck_watch import timed_out_after
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
@@ -323,7 +324,7 @@ def waited_in_vain(error: BaseException | None) -> bool:
             isinstance(arg, urllib3.exceptions.ReadTimeoutError) for arg in error.args
         ):
             return True
-        if "from pytest-timeout" in str(error):
+        if timed_out_after(error) is not None:
             return True
         error = error.__cause__ or error.__context__
     return False
