@@ -40,6 +40,7 @@ through the same code, so everything but the capture itself is checked on any ma
 from __future__ import annotations
 
 import bisect
+import gc
 import time
 from typing import TYPE_CHECKING
 
@@ -173,7 +174,15 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Set every bucket up, largest first; on CUDA capture its graph. A capture that fails
         stops here, at engine start, naming the bucket and the way to run without graphs."""
-        free_before = torch.cuda.mem_get_info(self.device)[0] if self.use_cuda_graph else 0
+        free_before = 0
+        if self.use_cuda_graph:
+            # Every capture first hands the allocator's cached blocks back to the driver
+            # (torch.cuda.graph runs gc.collect() and empty_cache()), so a baseline taken with a
+            # cache still full of what an earlier model left would make the graphs look smaller than
+            # they are, even negative (-20 MiB, seen on an H200): measure from an empty cache too.
+            gc.collect()
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         for bs, kv_len in self.buckets:
             try:
