@@ -570,6 +570,8 @@ def main() -> None:
     args.model_path = resolve_model_path(args.model or default_model_path())
     device = torch.device(args.device) if args.device else default_device()
     dtype = default_dtype(device)
+    # On CUDA, load_model takes cuDNN out of SDPA's kernels for the whole process (s00 device.py), so
+    # transformers below runs its attention on the same kernels as the engine.
     model, tokenizer = load_model(args.model_path, device=device, dtype=dtype), Tokenizer(args.model_path)
     print(f"model: {args.model_path}  dtype: {str(dtype).removeprefix('torch.')}  device: {describe(device)}")
     print(f"{SWITCH.describe()}; stage {args.stage}'s engine; torch threads {threads}; load average {load_average()}")

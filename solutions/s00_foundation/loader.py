@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from .config import ModelConfig
-from .device import default_device, default_dtype
+from .device import avoid_cudnn_attention, default_device, default_dtype
 from .model import CausalLM
 
 
@@ -62,6 +62,7 @@ def load_model(
     folder = resolve_model_path(model)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
+    avoid_cudnn_attention(device)
     config = ModelConfig.from_folder(folder)
     state = load_state_dict(folder)
     if config.tie_word_embeddings:

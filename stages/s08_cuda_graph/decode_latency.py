@@ -39,6 +39,7 @@ import torch
 
 from s00_foundation.attention import AttentionBackend
 from s00_foundation.config import ModelConfig
+from s00_foundation.device import avoid_cudnn_attention
 from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.model import CausalLM
 from s02_request_and_sampling.req import Req
@@ -95,6 +96,7 @@ def random_model(raw_config: dict, device: torch.device | str, dtype: torch.dtyp
     """A ``CausalLM`` of the given config.json fields with random weights (N(0, 0.02), norms 1),
     drawn on ``device`` itself (a GPU fills Qwen3-0.6B's 600M weights in milliseconds)."""
     config = ModelConfig.from_dict(raw_config)
+    avoid_cudnn_attention(device)
     with torch.device("meta"):
         model = CausalLM(config)
     model = model.to_empty(device=device)

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from s00_foundation.config import ModelConfig
-from s00_foundation.device import default_dtype
+from s00_foundation.device import avoid_cudnn_attention, default_dtype
 from s00_foundation.loader import checkpoint_files, resolve_model_path
 
 from .layers import Shard
@@ -52,6 +52,7 @@ def load_tp_model(
     folder = resolve_model_path(model)
     device = torch.device(device) if device is not None else tp.device
     dtype = dtype or default_dtype(device)
+    avoid_cudnn_attention(device)
     config = ModelConfig.from_folder(folder)
     with torch.device("meta"):
         tp_model = TPCausalLM(config, tp)

@@ -28,6 +28,18 @@ def test_float32_on_cuda_matches_transformers(cuda_device, tiny_model_dir):
         assert_same_tokens(got[i], hf_greedy(tiny_model_dir, prompt, 12), f"stage 4 static batch on CUDA, prompt {i}")
 
 
+def test_a_model_on_cuda_runs_no_cudnn_attention(cuda_device, tiny_model_dir):
+    """cuDNN's SDPA kernel builds a plan for every new shape (38-59 ms for each decode step's new
+    length on an H200) and its graph replays were not reproducible: load_model takes it out."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    model = load_model(tiny_model_dir, device=cuda_device, dtype=torch.bfloat16)
+    assert not torch.backends.cuda.cudnn_sdp_enabled(), "load_model on CUDA left cuDNN among SDPA's kernels"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        cached_generate(model, PROMPTS[2], 4)
+    cudnn = sorted({e.name for e in profile.events() if "cudnn" in e.name and "attention" in e.name})
+    assert not cudnn, f"a bfloat16 generate on CUDA ran {cudnn}"
+
+
 def test_default_model_in_bfloat16_answers(cuda_device, default_model_dir):
     model = load_model(default_model_dir, device=cuda_device)  # CUDA default: bfloat16
     assert model.dtype == torch.bfloat16
