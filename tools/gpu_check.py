@@ -52,7 +52,7 @@ class Step:
 
 STEPS = [
     Step("graphs-float32", 90, "capture at start, graph vs eager logits per bucket, replays, dummy slot (float32)"),
-    Step("graphs-bfloat16", 75, "the same in bfloat16"),
+    Step("graphs-bfloat16", 90, "the same in bfloat16, graph and eager each against a float32 twin"),
     Step("engine-float32", 45, "a stage-8 engine's tokens, graphs vs no graphs (float32: identical)"),
     Step("engine-bfloat16", 45, "the same in bfloat16 (a difference only where eager's top two logits tie)"),
     Step("sdpa-kernel", 40, "the SDPA kernel the graph decode selects; which others accept its shapes"),
