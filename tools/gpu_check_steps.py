@@ -29,8 +29,8 @@ impl_switch.install()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from s00_foundation.attention import NoCacheBackend  # noqa: E402
-from s00_foundation.device import describe, set_torch_threads  # noqa: E402
+from s00_foundation.attention import NoCacheBackend, causal_attention  # noqa: E402
+from s00_foundation.device import avoid_cudnn_attention, describe, set_torch_threads  # noqa: E402
 from s00_foundation.forward_batch import ForwardBatch  # noqa: E402
 from s02_request_and_sampling.sampling_params import SamplingParams  # noqa: E402
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend  # noqa: E402
@@ -464,6 +464,41 @@ def step_sdpa(ctx: Checks) -> None:
                 record["detail"] = f"bucket {bucket}: runs {selected or ['(none seen)']}; each alone: " + ", ".join(
                     f"{name} {how}" for name, how in eligible.items()
                 )
+    new_lengths_cost_what_repeated_ones_do(ctx)
+
+
+def new_lengths_cost_what_repeated_ones_do(ctx: Checks, count: int = 64) -> None:
+    """Per-request attention (stage 1-7's ``causal_attention``) at ``count`` lengths it has not seen,
+    then at the same lengths again, for a decode (1 query) and a 16-token extend, in bfloat16 on the
+    kernels a loaded model leaves SDPA. A kernel that builds a plan per shape (cuDNN's: 38-101 ms a
+    call on an H200, against 0.16-2.5 ms) makes the first pass many times the second."""
+    label, shape = ctx.shapes()[-1]
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    avoid_cudnn_attention(ctx.device)  # what load_model does on CUDA
+    with ctx.check(f"{label}, bfloat16: attention at new lengths costs what it does at repeated ones") as record:
+        rows = []
+        for queries in (1, 16):
+            lengths = range(1000 + 100 * queries, 1000 + 100 * queries + count)
+            passes = []
+            for _ in range(2):  # new lengths, then the same again
+                start = time.perf_counter()
+                for length in lengths:
+                    q = torch.randn(queries, heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
+                    k = torch.randn(length, kv_heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
+                    causal_attention(q, k, k)
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                passes.append((time.perf_counter() - start) * 1000 / count)
+            rows.append({"queries": queries, "new_ms": round(passes[0], 3), "repeated_ms": round(passes[1], 3)})
+        record["data"] = {"rows": rows}
+        record["detail"] = "; ".join(
+            f"{r['queries']} quer{'y' if r['queries'] == 1 else 'ies'}: {r['new_ms']:.3f} ms a call at a new length, "
+            f"{r['repeated_ms']:.3f} ms repeated"
+            for r in rows
+        )
+        if any(r["new_ms"] > 3 * r["repeated_ms"] + 0.5 for r in rows):
+            record["status"] = "FAIL"
+            record["detail"] += " (new lengths should cost at most 3x + 0.5 ms: a kernel builds a plan per shape)"
 
 
 # --- decode latency ----------------------------------------------------------------------------
