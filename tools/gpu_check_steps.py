@@ -465,6 +465,72 @@ def step_sdpa(ctx: Checks) -> None:
                     f"{name} {how}" for name, how in eligible.items()
                 )
     new_lengths_cost_what_repeated_ones_do(ctx)
+    cudnn_attention_in_a_graph(ctx)
+
+
+def cudnn_attention_in_a_graph(ctx: Checks) -> None:
+    """A measurement for a decision, not a check of the engine (which keeps cuDNN out of SDPA):
+    may a graph capture cuDNN's attention? Its plan would be built once per bucket at capture, and
+    on the H200 its kernel was ~3x the math kernel's speed on a decode bucket, but a bfloat16 graph
+    that ran it replayed the same inputs up to 0.1 apart. One bucket-shaped decode attention on
+    cuDNN alone: run eagerly twice, one graph replayed twice, and replayed again after a second
+    graph was captured into the same memory pool. A difference between the eager runs: the kernel
+    is not deterministic; only between the replays: capturing it is not safe."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    label, shape = ctx.shapes()[-1]
+    with ctx.check(f"{label}, bfloat16: cuDNN attention run twice, replayed twice, replayed after a capture") as record:
+        if ctx.device.type != "cuda":
+            record["status"], record["detail"] = "SKIP", "no cuDNN attention on a CPU"
+            return
+        heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+        bs, length = 8, 1024
+        generator = torch.Generator(device=ctx.device).manual_seed(3)
+
+        def draw(*size):
+            return torch.randn(*size, device=ctx.device, dtype=torch.bfloat16, generator=generator)
+
+        q, k, v = (
+            draw(bs, heads, 1, head_dim),
+            draw(bs, kv_heads, length, head_dim),
+            draw(bs, kv_heads, length, head_dim),
+        )
+        mask = torch.rand(bs, 1, 1, length, device=ctx.device, generator=generator) < 0.9
+
+        def attend(keys: int) -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q, k[:, :, :keys], v[:, :, :keys], attn_mask=mask[..., :keys], enable_gqa=True
+            )
+
+        def apart(a: torch.Tensor, b: torch.Tensor) -> float:
+            return (a.float() - b.float()).abs().max().item()
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            first, second = attend(length), attend(length)
+            attend(length // 2)  # both shapes' plans built before capture
+            pool = torch.cuda.graph_pool_handle()
+            graph, other = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = attend(length)
+            graph.replay()
+            replayed = out.clone()
+            graph.replay()
+            again = out.clone()
+            with torch.cuda.graph(other, pool=pool):
+                attend(length // 2)
+            other.replay()
+            graph.replay()
+            after = out.clone()
+            torch.cuda.synchronize()
+        record["data"] = {
+            "eager_twice": apart(first, second),
+            "replay_vs_eager": apart(replayed, first),
+            "replayed_twice": apart(replayed, again),
+            "replayed_after_another_capture": apart(replayed, after),
+        }
+        record["detail"] = ", ".join(f"{name.replace('_', ' ')} {d:.3g}" for name, d in record["data"].items()) + (
+            " (max difference)"
+        )
 
 
 def new_lengths_cost_what_repeated_ones_do(ctx: Checks, count: int = 64) -> None:
