@@ -28,6 +28,7 @@ impl_switch.install()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from s00_foundation.attention import NoCacheBackend, causal_attention  # noqa: E402
 from s00_foundation.device import avoid_cudnn_attention, describe, set_torch_threads  # noqa: E402
@@ -42,6 +43,7 @@ from s08_cuda_graph.decode_latency import (  # noqa: E402
     SMOLLM2_135M,
     decode_step_latency,
     random_model,
+    synchronize,
 )
 from s08_cuda_graph.engine import Engine  # noqa: E402
 from s08_cuda_graph.model_runner import GraphModelRunner  # noqa: E402
@@ -416,10 +418,21 @@ def attention_ops(run) -> list[str]:
     )
 
 
+def ms_per_call(device: torch.device, backends: list[SDPBackend], fn, *args, calls: int = 10, **kwargs) -> float:
+    """Milliseconds a call of ``fn(*args, **kwargs)`` takes on only these SDPA kernels, after one
+    untimed call; RuntimeError ("No available kernel") when they all refuse it."""
+    with sdpa_kernel(backends):
+        fn(*args, **kwargs)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        synchronize(device)
+    return (time.perf_counter() - start) * 1000 / calls
+
+
 @torch.inference_mode()
 def step_sdpa(ctx: Checks) -> None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     kv_len = 64 if ctx.quick else (256 if ctx.rehearsal else 1024)
     for dtype in (torch.float32, torch.bfloat16):
         for label, shape in ctx.shapes():
@@ -449,14 +462,17 @@ def step_sdpa(ctx: Checks) -> None:
                     SDPBackend.MATH,
                 ):
                     try:
-                        with sdpa_kernel([backend]):
-                            F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
-                            start = time.perf_counter()
-                            for _ in range(10):
-                                F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
-                            if ctx.device.type == "cuda":
-                                torch.cuda.synchronize()
-                        eligible[backend.name] = f"{(time.perf_counter() - start) * 100:.3f} ms"
+                        ms = ms_per_call(
+                            ctx.device,
+                            [backend],
+                            F.scaled_dot_product_attention,
+                            q,
+                            k,
+                            k,
+                            attn_mask=mask,
+                            enable_gqa=True,
+                        )
+                        eligible[backend.name] = f"{ms:.3f} ms"
                     except RuntimeError as error:
                         eligible[backend.name] = "refused"
                         record["data"].setdefault("refusals", {})[backend.name] = str(error)[:400]
@@ -466,6 +482,7 @@ def step_sdpa(ctx: Checks) -> None:
                 )
     new_lengths_cost_what_repeated_ones_do(ctx)
     cudnn_attention_in_a_graph(ctx)
+    gqa_by_copy_or_by_math(ctx)
 
 
 def cudnn_attention_in_a_graph(ctx: Checks) -> None:
@@ -476,8 +493,6 @@ def cudnn_attention_in_a_graph(ctx: Checks) -> None:
     cuDNN alone: run eagerly twice, one graph replayed twice, and replayed again after a second
     graph was captured into the same memory pool. A difference between the eager runs: the kernel
     is not deterministic; only between the replays: capturing it is not safe."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     label, shape = ctx.shapes()[-1]
     with ctx.check(f"{label}, bfloat16: cuDNN attention run twice, replayed twice, replayed after a capture") as record:
         if ctx.device.type != "cuda":
@@ -530,6 +545,54 @@ def cudnn_attention_in_a_graph(ctx: Checks) -> None:
         }
         record["detail"] = ", ".join(f"{name.replace('_', ' ')} {d:.3g}" for name, d in record["data"].items()) + (
             " (max difference)"
+        )
+
+
+def gqa_by_copy_or_by_math(ctx: Checks, calls: int = 10) -> None:
+    """A measurement for a decision: without cuDNN, grouped-query attention in bfloat16 runs the math
+    kernel (flash and memory-efficient refuse dense inputs with fewer K/V heads than query heads).
+    Copying each K/V head to its query heads first (``repeat_interleave``) lets them run: is the copy
+    plus the fused kernel faster? Timed for a decode bucket (8 rows x 1024 keys, masked: the graph's
+    call) and a 1024-token prompt (causal: a prefill's call), ms a call, the copy included."""
+    label, shape = ctx.shapes()[-1]
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    group = heads // kv_heads
+    with ctx.check(f"{label}, bfloat16: GQA on the math kernel, or K/V copied to every head on a fused one") as record:
+        generator = torch.Generator(device=ctx.device).manual_seed(4)
+
+        def draw(*size):
+            return torch.randn(*size, device=ctx.device, dtype=torch.bfloat16, generator=generator)
+
+        mask = torch.rand(8, 1, 1, 1024, device=ctx.device) < 0.9
+        cases = {
+            "decode 8x1024": (draw(8, heads, 1, head_dim), draw(8, kv_heads, 1024, head_dim), {"attn_mask": mask}),
+            "prefill 1024": (draw(1, heads, 1024, head_dim), draw(1, kv_heads, 1024, head_dim), {"is_causal": True}),
+        }
+
+        def math_gqa(q, k, how):
+            return F.scaled_dot_product_attention(q, k, k, enable_gqa=True, **how)
+
+        def copied(q, k, how):
+            full = k.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, full, full, **how)
+
+        ways = {
+            "math, enable_gqa": ([SDPBackend.MATH], math_gqa),
+            "copy + efficient": ([SDPBackend.EFFICIENT_ATTENTION], copied),
+            "copy + flash": ([SDPBackend.FLASH_ATTENTION], copied),
+        }
+        rows = {}
+        for name, (q, k, how) in cases.items():
+            row = {}
+            for way, (backends, run) in ways.items():
+                try:
+                    row[way] = f"{ms_per_call(ctx.device, backends, run, q, k, how, calls=calls):.3f} ms"
+                except RuntimeError:
+                    row[way] = "refused"
+            rows[name] = row
+        record["data"] = {"ms_per_call": rows}
+        record["detail"] = "; ".join(
+            f"{name}: " + ", ".join(f"{way} {ms}" for way, ms in row.items()) for name, row in rows.items()
         )
 
 
