@@ -11,11 +11,15 @@ random weights: one of SmolLM2-135M's shape, one of Qwen3-0.6B's (gpu_check_step
 Each step runs in its own process under its own timeout (a hung kernel cannot eat the GPU
 time of the steps after it), in float32 and bfloat16:
 
-    graphs-*      capture at start (time, memory), graph vs eager logits for every bucket,
-                  earlier graphs replayed after later ones, padded rows write only the dummy slot
+    graphs-*      capture at start (time, memory), graph vs eager logits for every bucket
+                  (bfloat16: each against a float32 twin), earlier graphs replayed after later
+                  ones, padded rows write only the dummy slot
     engine-*      a stage-8 engine's tokens with graphs equal those without
-    sdpa-kernel   which SDPA kernel the graph decode selects, and which others would run
+    sdpa-kernel   which SDPA kernel the graph decode selects, and which others would run;
+                  attention at new lengths costs what repeated ones do (no plan per shape);
+                  measured for later choices: cuDNN's attention inside a graph, GQA by kernel
     decode-latency  one decode step: stage 4's loop vs batched eager vs graph, batch 1, 8, 32, 64
+    overlap       stage 10's overlapped engine on its CUDA stream: stage 8's tokens, throughput
 
 Everything it produces lands in DIR, at most 8 files and no subfolder (what a GPU machine's
 output folder brings back): summary.txt (the versions first, then PASS/FAIL per step and check,
