@@ -56,12 +56,12 @@ class Step:
 
 STEPS = [
     Step("graphs-float32", 90, "capture at start, graph vs eager logits per bucket, replays, dummy slot (float32)"),
-    Step("graphs-bfloat16", 90, "the same in bfloat16, graph and eager each against a float32 twin"),
+    Step("graphs-bfloat16", 120, "the same in bfloat16, graph and eager each against a float32 twin"),
     Step("engine-float32", 45, "a stage-8 engine's tokens, graphs vs no graphs (float32: identical)"),
     Step("engine-bfloat16", 45, "the same in bfloat16 (a difference only where eager's top two logits tie)"),
     Step("sdpa-kernel", 45, "the SDPA kernel the graph decode selects; which others accept its shapes; new lengths"),
     Step("decode-latency", 110, "decode step latency: stage 4's loop, batched eager, graph; batch 1, 8, 32, 64"),
-    Step("overlap", 40, "stage 10's overlapped engine (worker stream, graphs): stage 8's tokens; throughput off vs on"),
+    Step("overlap", 60, "stage 10's overlapped engine (worker stream, graphs): stage 8's tokens; throughput off vs on"),
 ]
 # The second run (--full): with the default model installed from the offline bundle. The test
 # suite, the longest part, comes last: a slow one cannot starve the notebook or the benchmark.
