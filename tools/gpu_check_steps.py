@@ -404,7 +404,7 @@ def step_overlap(ctx: Checks) -> None:
         )
 
 
-# --- which SDPA kernel the graph decode runs ----------------------------------------------------
+# --- SDPA: which kernel the graph decode runs, and what attention costs on each ----------------
 
 
 def attention_ops(run) -> list[str]:
@@ -505,17 +505,19 @@ def cudnn_attention_in_a_graph(ctx: Checks) -> None:
         def draw(*size):
             return torch.randn(*size, device=ctx.device, dtype=torch.bfloat16, generator=generator)
 
-        q, k, v = (
-            draw(bs, heads, 1, head_dim),
-            draw(bs, kv_heads, length, head_dim),
-            draw(bs, kv_heads, length, head_dim),
-        )
-        mask = torch.rand(bs, 1, 1, length, device=ctx.device, generator=generator) < 0.9
+        inputs = {  # each shape its own tensors, laid out as the graph decode's gathered keys are
+            keys: (
+                draw(bs, heads, 1, head_dim),
+                draw(bs, keys, kv_heads, head_dim).transpose(1, 2),
+                draw(bs, keys, kv_heads, head_dim).transpose(1, 2),
+                torch.rand(bs, 1, 1, keys, device=ctx.device, generator=generator) < 0.9,
+            )
+            for keys in (length, length // 2)
+        }
 
         def attend(keys: int) -> torch.Tensor:
-            return F.scaled_dot_product_attention(
-                q, k[:, :, :keys], v[:, :, :keys], attn_mask=mask[..., :keys], enable_gqa=True
-            )
+            q, k, v, mask = inputs[keys]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
         def apart(a: torch.Tensor, b: torch.Tensor) -> float:
             return (a.float() - b.float()).abs().max().item()
