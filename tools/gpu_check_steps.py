@@ -207,6 +207,7 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
             buffer.normal_(0.0, 1.0)
         write_from = runner.page_size + READ_SLOTS
         twin = float32_twin(runner, shape, dtype) if dtype != torch.float32 else None
+        absolute, relative = FLOAT32_TOLERANCE
         batches = {}
         with ctx.check(f"{label}: graph vs eager logits, every bucket") as record:
             worst: dict[str, Any] = {}
@@ -227,9 +228,7 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
                     if twin is None:
                         diff = (got - expected).abs().max().item()
                         worst[f"{bs}x{kv_len}"] = diff
-                        absolute, relative = FLOAT32_TOLERANCE
-                        ok = diff <= absolute + relative * expected.abs().max().item()
-                        if not ok:
+                        if not diff <= absolute + relative * expected.abs().max().item():
                             failures.append(f"({bs}, {kv_len}): {diff:.3g}")
                     else:
                         truth = eager_logits(runner, batch, *twin).float()
@@ -240,7 +239,6 @@ def step_graphs(ctx: Checks, dtype: torch.dtype) -> None:
                             failures.append(f"({bs}, {kv_len}): graph {graph_error:.3g}, eager {eager_error:.3g}")
             record["data"] = {"max_abs_diff_per_bucket" if twin is None else "max_abs_error_per_bucket": worst}
             if twin is None:
-                absolute, relative = FLOAT32_TOLERANCE
                 record["detail"] = (
                     f"{len(worst)} buckets, largest difference {max(worst.values()):.3g} (tolerance {absolute} + "
                     f"{relative} x max|logit|)"
@@ -617,8 +615,7 @@ def new_lengths_cost_what_repeated_ones_do(ctx: Checks, count: int = 64) -> None
                     q = torch.randn(queries, heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
                     k = torch.randn(length, kv_heads, head_dim, device=ctx.device, dtype=torch.bfloat16)
                     causal_attention(q, k, k)
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(ctx.device)
                 passes.append((time.perf_counter() - start) * 1000 / count)
             rows.append({"queries": queries, "new_ms": round(passes[0], 3), "repeated_ms": round(passes[1], 3)})
         record["data"] = {"rows": rows}
