@@ -1,8 +1,18 @@
-"""Text <-> token ids, through the model's own Hugging Face tokenizer and chat template."""
+"""Text <-> token ids, through the model's own Hugging Face tokenizer and chat template.
+
+A chat's control tokens (``<|im_start|>``, ``<|im_end|>``, ...) mark whose turn is whose, so they
+must come from the template alone: text in a message that spells one is tokenized as text, as the
+characters it is, never as the token. Otherwise a user's message could end its own turn and forge
+a system or assistant turn after it (transformers' own ``apply_chat_template`` lets it through).
+A plain text prompt is the model's raw input and keeps them: that is how a client writes its own
+template.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -19,6 +29,11 @@ class Tokenizer:
         folder = resolve_model_path(model_path)
         self.hf = AutoTokenizer.from_pretrained(str(folder))
         self.eos_token_ids = _eos_token_ids(folder, self.hf)
+        # The added tokens flagged special are the control tokens; longest first, so that one that
+        # holds another is matched whole.
+        special = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        controls = sorted(special, key=len, reverse=True)
+        self.control_tokens = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
 
     @property
     def is_chat(self) -> bool:
@@ -36,10 +51,50 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; send a plain text prompt")
         if not messages:
             raise ValueError("messages must hold at least one message")
-        encoded = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        pattern = self.control_tokens
+        if pattern is None or not any(pattern.search(v) for m in messages for v in _texts(m)):
+            encoded = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+            )
+            return list(encoded["input_ids"])
+        return self._chat_ids_with_control_text(messages, add_generation_prompt)
+
+    def _chat_ids_with_control_text(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
+        """Render the template with a marker in place of each control token the messages spell,
+        so that every control token left in the text is the template's own; then tokenize it the
+        way the tokenizer does, in pieces split at those tokens, each piece with its markers put
+        back as the text they stand for and read as text (``split_special_tokens``)."""
+        pattern = self.control_tokens
+        assert pattern is not None
+        tag = marker_tag()
+        spelled: list[str] = []
+
+        def mark(found: re.Match) -> str:
+            spelled.append(found.group())
+            return f"[[{tag}:{len(spelled) - 1}]]"
+
+        marked = [{k: pattern.sub(mark, v) if v in _texts(m) else v for k, v in m.items()} for m in messages]
+        text = self.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+        markers = re.compile(rf"\[\[{tag}:(\d+)\]\]")
+        ids: list[int] = []
+        as_marked: list[int] = []
+        for i, piece in enumerate(pattern.split(text)):  # text, control token, text, ..., text
+            if i % 2:
+                ids.append(self.hf.convert_tokens_to_ids(piece))
+                as_marked.append(ids[-1])
+            elif piece:
+                as_marked += self.hf(piece, add_special_tokens=False)["input_ids"]
+                piece = markers.sub(lambda found: spelled[int(found.group(1))], piece)
+                ids += self.hf(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        # Splitting at the control tokens is what the tokenizer does itself, unless a control token
+        # also eats the spaces around it (an added token's lstrip / rstrip): then the pieces differ
+        # from its own reading, and this prompt is refused rather than tokenized another way.
+        if as_marked != self.hf(text, add_special_tokens=False)["input_ids"]:
+            raise ValueError(
+                f"a message spells this model's control token {spelled[0]!r}, which its tokenizer cannot "
+                "read as text inside a chat; leave it out of the messages"
+            )
+        return ids
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Messages go through the chat template; so does a plain string for a chat model
@@ -52,6 +107,17 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def marker_tag() -> str:
+    """A fresh tag for markers rendered through a chat template: digits, which no template filter
+    (trim, upper, tojson) changes, and too many for a message to hold them by chance."""
+    return str(secrets.randbelow(10**12)).zfill(12)
+
+
+def _texts(message: dict) -> list[str]:
+    """What a message says in words (its content, a name): everything but its role."""
+    return [v for k, v in message.items() if k != "role" and isinstance(v, str)]
 
 
 def _eos_token_ids(folder: Path, hf) -> list[int]:

@@ -1,7 +1,8 @@
 """``TokenizerManager``: the process that turns text into token ids, off the scheduler's path.
 
-Chat messages go through the model's chat template, a completion prompt is tokenized as it is
-(token ids are checked and passed on). Aborts and debug questions pass through unchanged, on the
+Chat messages go through the model's chat template (text in them that spells a control token
+stays text: ``s00 tokenizer.py``), a completion prompt is tokenized as it is (token ids are
+checked and passed on). Aborts and debug questions pass through unchanged, on the
 same road as the requests, so they can never overtake them. A prompt it cannot tokenize (no chat
 template, ids outside the vocabulary, a ``name`` the template would drop) goes straight back to
 the API server as an ``ErrorOut`` (400); anything else a request makes it raise is a fault of the
@@ -13,12 +14,10 @@ loop; here it is a process of its own, so a long prompt's tokenization never sta
 
 from __future__ import annotations
 
-import secrets
-
 import zmq
 from jinja2 import TemplateError
 
-from s00_foundation.tokenizer import Tokenizer
+from s00_foundation.tokenizer import Tokenizer, marker_tag
 
 from .io_struct import DebugFaultReq, ErrorOut, GenerateReqInput, TokenizedGenerateReqInput
 from .worker_loop import Fault, serve_messages
@@ -67,7 +66,7 @@ class TokenizerManager:
         named = [i for i, message in enumerate(messages) if "name" in message]
         if not named or not self.tokenizer.is_chat:
             return  # (without a template apply_chat_template refuses the messages, saying why)
-        tag = secrets.token_hex(6)  # digits and a-f: no template filter (trim, upper, tojson) changes it
+        tag = marker_tag()
         marked = [dict(m, name=f"[[{tag}:{i}]]") if "name" in m else m for i, m in enumerate(messages)]
         text = self.tokenizer.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
         for i in named:
