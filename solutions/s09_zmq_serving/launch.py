@@ -249,11 +249,7 @@ def launch_server(server_args: ServerArgs) -> int:
             launcher.heartbeats,
         )
 
-        def tell_everyone(message: str, status: int) -> None:
-            engine = app.state.engine
-            if "loop" in engine:
-                engine["loop"].call_soon_threadsafe(engine["client"].fail_all, message, status)
-
+        tell_everyone = app.state.serving.fail_all_from_any_thread
         server = make_http_server(app, server_args, on_exit=lambda: tell_everyone(SHUTTING_DOWN, 503))
 
         def on_death(message: str) -> None:

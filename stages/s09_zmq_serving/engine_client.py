@@ -1,0 +1,161 @@
+"""``EngineClient``: the API server's end of the pipeline, and one queue per request in flight.
+
+One PUSH socket carries every request (and abort) to the tokenizer worker. One reader task, for
+the whole server, takes everything the workers send back (text pieces from the detokenizer,
+errors, debug answers) and drops each into its request's ``asyncio.Queue``; a request's handler
+reads only its own queue, watching meanwhile whether its client is still there and whether its
+time is up::
+
+    handler ──GenerateReqInput──▶ tokenizer ─▶ scheduler ─▶ detokenizer ──BatchStrOut──▶ reader task
+       ▲                                                                                    │
+       └──────────────────── queues[rid] (OutputPiece items) ◀──────────────────────────────┘
+
+A request leaves the table when its last piece (or an error) arrives, or when it is aborted: a
+client that went away, a request past its time. The table's size is what the queue cap counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+from fastapi import Request
+
+from .io_struct import AbortReq, BatchStrOut, DebugStateOut, ErrorOut
+from .protocol import InvalidRequest
+
+DISCONNECT_POLL_S = 0.2  # while a request waits for its answer, look this often whether its client left
+RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before trying again
+
+
+@dataclass
+class OutputPiece:
+    """One piece of one request's answer, as its handler reads it from its queue."""
+
+    text: str
+    finish_reason: str | None  # "stop" / "length" on the last piece
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def rejection(error: ErrorOut, kind: str = "completion") -> InvalidRequest:
+    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer. A prompt too
+    long for the engine is refused as the "prompt" (ErrorOut.refused); a chat's prompt is its
+    ``messages``."""
+    param = "messages" if error.param == "prompt" and kind == "chat" else error.param
+    return InvalidRequest(
+        error.message,
+        param=param,
+        status_code=error.status_code,
+        type="invalid_request_error" if error.status_code < 500 else "server_error",
+        code=error.code,
+    )
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection before its answer was complete."""
+
+
+class EngineClient:
+    """The API server's end of the sockets, and one queue per request in flight."""
+
+    def __init__(self, ipc):
+        self.send_to_tokenizer = zmq.Context.instance().socket(zmq.PUSH)
+        self.send_to_tokenizer.connect(ipc.tokenizer)
+        self.recv_from_workers = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self.recv_from_workers.bind(ipc.api_server)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.fatal: ErrorOut | None = None  # set when the server cannot serve any more: every request then fails
+
+    def send(self, message) -> None:
+        # A PUSH socket queues locally, so this never waits on the tokenizer.
+        self.send_to_tokenizer.send_pyobj(message)
+
+    async def reader_loop(self) -> None:
+        """Forever: route every message from the workers to its request's queue."""
+        while True:
+            message = await self.recv_from_workers.recv_pyobj()
+            if isinstance(message, BatchStrOut):
+                for i, rid in enumerate(message.rids):
+                    finish = message.finish_reasons[i]
+                    queue = self.queues.pop(rid, None) if finish is not None else self.queues.get(rid)
+                    if queue is not None:
+                        queue.put_nowait(
+                            OutputPiece(
+                                message.texts[i], finish, message.prompt_tokens[i], message.completion_tokens[i]
+                            )
+                        )
+            elif isinstance(message, (ErrorOut, DebugStateOut)):
+                queue = self.queues.pop(message.rid, None)
+                if queue is not None:
+                    queue.put_nowait(message)
+                if isinstance(message, ErrorOut):
+                    # An error ends the request everywhere: if it came from the detokenizer the
+                    # scheduler still runs it (an abort of a request it no longer has is a no-op).
+                    self.send(AbortReq(message.rid))
+
+    def fail_all(self, message: str, status: int = 500) -> None:
+        """Answer every request in flight, and every later one, with ``message`` (on the event
+        loop): a worker died (500), or the server is shutting down (503)."""
+        self.fatal = ErrorOut("", message, status)
+        for rid, queue in self.queues.items():
+            queue.put_nowait(ErrorOut(rid, message, status))
+        self.queues.clear()
+
+    def open(self, rid: str, max_in_flight: int | None = None) -> asyncio.Queue:
+        if self.fatal is not None:
+            raise rejection(self.fatal)
+        if max_in_flight is not None and len(self.queues) >= max_in_flight:
+            raise InvalidRequest(
+                f"the server is overloaded: {len(self.queues)} requests are in flight, the most it "
+                f"accepts; retry after {RETRY_AFTER_S} s",
+                status_code=503,
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        queue = self.queues[rid] = asyncio.Queue()
+        return queue
+
+    def abort(self, rid: str) -> None:
+        if self.queues.pop(rid, None) is not None:  # still in flight
+            self.send(AbortReq(rid))
+
+    async def next_output(self, queue: asyncio.Queue, request: Request | None, deadline: float | None):
+        """The next item of a request's queue. With ``request``, raise ClientGone if its client
+        disconnects meanwhile (during a stream, Starlette itself cancels the handler instead);
+        with ``deadline`` (the loop's clock), raise TimeoutError once it has passed."""
+        loop = asyncio.get_running_loop()
+        getter = asyncio.ensure_future(queue.get())
+        try:
+            while True:
+                waits = ([DISCONNECT_POLL_S] if request is not None else []) + (
+                    [max(0.0, deadline - loop.time())] if deadline is not None else []
+                )
+                done, _ = await asyncio.wait({getter}, timeout=min(waits) if waits else None)
+                # Checked on every piece too: pieces may come faster than the poll interval.
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone()
+                if done:
+                    return getter.result()
+                if deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError()
+        finally:
+            getter.cancel()
+
+    async def outputs(
+        self, rid: str, queue: asyncio.Queue, first, request: Request | None, deadline: float | None
+    ) -> AsyncIterator[OutputPiece]:
+        """A request's answer, piece by piece (starting with ``first``), until it is finished.
+        A worker error after the start raises InvalidRequest."""
+        item = first
+        while True:
+            if isinstance(item, ErrorOut):
+                raise rejection(item)
+            yield item
+            if item.finish_reason is not None:
+                return
+            item = await self.next_output(queue, request, deadline)
