@@ -53,9 +53,8 @@ from typing import Hashable, Sequence
 from s02_request_and_sampling.engine import check_not_stuck
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.allocator import pages_for
-from s05_continuous_batching.schedule_batch import ScheduleBatch, slots_to_extend
+from s05_continuous_batching.schedule_batch import ScheduleBatch
 from s05_continuous_batching.scheduler import TokenOutput
-from s05_continuous_batching.trace import StepTrace
 from s07_chunked_prefill.scheduler import ChunkedPrefillScheduler, prefill_pending
 
 from .future_map import FutureMap
@@ -168,23 +167,12 @@ class OverlapScheduler(ChunkedPrefillScheduler):
                 "request's next chunk, or a retraction, starts from what it stores): step() must process it "
                 "first whenever must_wait_for_last() says so"
             )
-        short = self.next_pass_slots(self.decoding_reqs()) > self.available_slots()
-        retracted = self.retract_for_decode() if short else []  # nothing is in flight (checked above)
-        if short:
-            self.check_room_after_retraction()
-        for req in retracted:  # stage 5's step() does the same bookkeeping
-            req.time_stats.retracted.append(start)
-        self.stats.num_retractions += len(retracted)
+        retracted = self.retract_if_short(self.decoding_reqs(), start)  # nothing is in flight (checked above)
         admitted = self.admit_new_requests()
         decodes = self.decoding_reqs()
         if not decodes and not admitted:
             if self.last is None and (self.waiting or self.chunked_req) and not self.ending:
-                head = self.waiting[0] if self.waiting else self.chunked_req
-                raise RuntimeError(
-                    f"nothing can run: request {head.rid} is first in line and its prefill needs "
-                    f"{slots_to_extend(head, self.page_size)} KV slots, {self.available_slots()} of "
-                    f"{self.runner.allocator.size} are free and nothing running will free more"
-                )
+                raise self.nothing_can_run(self.waiting[0] if self.waiting else self.chunked_req)
             return None
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=decodes, prefill_reqs=admitted)
         self.running += admitted  # from here on they hold memory
@@ -231,7 +219,8 @@ class OverlapScheduler(ChunkedPrefillScheduler):
                 launched.prefill_tokens,
             )
         )
-        self.record_step(launched, outputs, end)
+        span = (launched.schedule[0], end)
+        self.record_step(launched.batch, launched.prefill_tokens, launched.retracted, outputs, span)
         return outputs
 
     def process_batch_result_overlap(
@@ -252,10 +241,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         self.share_prompts([req for req in launched.batch.prefill_reqs if req not in launched.chunked])
         now = self.clock()
         for req in got_token:
-            if req.time_stats.first_token is None:
-                req.time_stats.first_token = now
-            if req.finished:
-                req.time_stats.finished = now
+            req.time_stats.got_token(now, req.finished)
         return outputs
 
     def held_back(self, scheduled: Sequence[Req]) -> list[Req]:
@@ -334,31 +320,6 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         if req in self.ending:
             self.ending.remove(req)
         # END EXERCISE
-
-    def record_step(self, launched: LaunchedBatch, outputs: list[TokenOutput], now: float) -> None:
-        """Stage 5's statistics and StepTrace, for a step that has just been processed."""
-        batch, stats = launched.batch, self.stats
-        stats.steps += 1
-        stats.peak_running = max(stats.peak_running, len(batch.reqs))
-        stats.prefill_tokens += launched.prefill_tokens
-        stats.decode_tokens += len(batch.decode_reqs)
-        if self.on_step is not None:
-            self.on_step(
-                StepTrace(
-                    step=stats.steps,
-                    start=launched.schedule[0],
-                    end=now,
-                    prefill_rids=[req.rid for req in batch.prefill_reqs],
-                    prefill_tokens=launched.prefill_tokens,
-                    decode_rids=[req.rid for req in batch.decode_reqs],
-                    running=len(self.running),
-                    waiting=len(self.waiting),
-                    free_slots=self.runner.allocator.available_size(),
-                    pool_size=self.runner.allocator.size,
-                    retracted_rids=[req.rid for req in launched.retracted],
-                    finished_rids=[out.rid for out in outputs if out.finish_reason is not None],
-                )
-            )
 
     # --- requests ending from outside -------------------------------------------------------------------
 

@@ -66,6 +66,13 @@ class TimeStats:
     first_token: float | None = None
     finished: float | None = None  # finished or aborted
 
+    def got_token(self, now: float, finished: bool) -> None:
+        """A step gave the request a token at ``now``: maybe its first, maybe its last."""
+        if self.first_token is None:
+            self.first_token = now
+        if finished:
+            self.finished = now
+
 
 class Req:
     """One request. Every field is declared here, the ones later stages fill included (each says

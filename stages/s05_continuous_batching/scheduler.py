@@ -267,42 +267,58 @@ class Scheduler:
             )
 
     def step(self) -> list[TokenOutput]:
-        """One scheduling step and one forward pass. Returns what each request of the pass got."""
+        """One scheduling step and one forward pass (a turn of SGLang's event loop: build the next
+        batch, run it, process its result). Returns what each request of the pass got."""
         if not self.has_work:
             return []
         start = self.clock()
-        short = self.next_pass_slots(self.running) > self.available_slots()
-        retracted = self.retract_for_decode() if short else []
-        if short:
-            self.check_room_after_retraction()
-        for req in retracted:
-            req.time_stats.retracted.append(start)
-        self.stats.num_retractions += len(retracted)
+        retracted = self.retract_if_short(self.running, start)
         admitted = self.admit_new_requests()
         if not self.running and not admitted:
-            head = self.waiting[0]
-            raise RuntimeError(
-                f"nothing can run: request {head.rid} is first in line and its prefill needs "
-                f"{slots_to_extend(head, self.page_size)} "
-                f"KV slots, {self.available_slots()} of {self.runner.allocator.size} are free and nothing running "
-                "will free more"
-            )
+            raise self.nothing_can_run(self.waiting[0])
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
         self.running += admitted  # from here on they hold memory (see abort_failed_step)
         logits = self.runner.forward(batch.prepare_forward())
         sampled = self.process_batch_result(batch, logits)
-        finished = [req for req in sampled if req.finished]
         check_not_stuck(self.running)
-
         now = self.clock()
-        outputs = []
         for req in sampled:
-            if req.time_stats.first_token is None:
-                req.time_stats.first_token = now
-            if req.finished:
-                req.time_stats.finished = now
-            outputs.append(TokenOutput(req.rid, req.output_ids[-1:], req.finished_reason))
+            req.time_stats.got_token(now, req.finished)
+        outputs = [TokenOutput(req.rid, req.output_ids[-1:], req.finished_reason) for req in sampled]
+        self.record_step(batch, prefill_tokens, retracted, outputs, (start, now))
+        return outputs
+
+    def retract_if_short(self, decodes: Sequence[Req], now: float) -> list[Req]:
+        """Retract (``retract_for_decode``) when the next pass of ``decodes`` would not fit the
+        free slots, check that it fits then, and count it. Returns the retracted requests."""
+        if self.next_pass_slots(decodes) <= self.available_slots():
+            return []
+        retracted = self.retract_for_decode()
+        self.check_room_after_retraction()
+        for req in retracted:
+            req.time_stats.retracted.append(now)
+        self.stats.num_retractions += len(retracted)
+        return retracted
+
+    def nothing_can_run(self, head: Req) -> RuntimeError:
+        """The error of a step that has nothing to run while ``head`` waits: its prefill cannot fit."""
+        return RuntimeError(
+            f"nothing can run: request {head.rid} is first in line and its prefill needs "
+            f"{slots_to_extend(head, self.page_size)} KV slots, {self.available_slots()} of "
+            f"{self.runner.allocator.size} are free and nothing running will free more"
+        )
+
+    def record_step(
+        self,
+        batch: ScheduleBatch,
+        prefill_tokens: int,
+        retracted: Sequence[Req],
+        outputs: Sequence[TokenOutput],
+        span: tuple[float, float],
+    ) -> None:
+        """A processed step's statistics, and its ``StepTrace`` for ``on_step`` (from the start of
+        its scheduling to the end of its processing)."""
         stats = self.stats
         stats.steps += 1
         stats.peak_running = max(stats.peak_running, len(batch.reqs))
@@ -312,8 +328,8 @@ class Scheduler:
             self.on_step(
                 StepTrace(
                     step=stats.steps,
-                    start=start,
-                    end=now,
+                    start=span[0],
+                    end=span[1],
                     prefill_rids=[req.rid for req in batch.prefill_reqs],
                     prefill_tokens=prefill_tokens,
                     decode_rids=[req.rid for req in batch.decode_reqs],
@@ -322,10 +338,9 @@ class Scheduler:
                     free_slots=self.runner.allocator.available_size(),
                     pool_size=self.runner.allocator.size,
                     retracted_rids=[req.rid for req in retracted],
-                    finished_rids=[req.rid for req in finished],
+                    finished_rids=[out.rid for out in outputs if out.finish_reason is not None],
                 )
             )
-        return outputs
 
     # --- checking ---------------------------------------------------------------------------------
 
