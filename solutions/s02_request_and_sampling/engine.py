@@ -34,18 +34,33 @@ class GenerateOutput:
     seed: int  # pass it back in SamplingParams(seed=...) to get this exact output again
 
 
-def encode(tokenizer: Tokenizer, prompt: PromptInput) -> list[int]:
+def encode(tokenizer: Tokenizer | None, prompt: PromptInput) -> list[int]:
+    """A prompt's token ids: text and chat messages through the tokenizer, token ids as they are."""
     if isinstance(prompt, str):
-        return tokenizer.encode_prompt(prompt)
-    items: list[Any] = list(prompt)  # checked item by item below
-    if items and all(isinstance(m, dict) for m in items):
-        return tokenizer.encode_prompt(items)
+        items: list[Any] = [prompt]
+    else:
+        items = list(prompt)  # checked item by item below
+    if isinstance(prompt, str) or (items and all(isinstance(m, dict) for m in items)):
+        if tokenizer is None:
+            raise ValueError(f"this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}")
+        return tokenizer.encode_prompt(prompt if isinstance(prompt, str) else items)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return items
     raise ValueError(
         f"each prompt must be a string, a non-empty list of chat messages ({{'role': ..., 'content': ...}}) "
         f"or a non-empty list of token ids; got {prompt!r:.80}"
     )
+
+
+def check_fits_the_vocabulary(ids: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
+    """What only the model can tell about a request: every prompt id must have a row in its
+    embedding (one beyond it fails deep inside the forward pass, as "index out of range"), and
+    top_k must be at most the vocabulary (a larger one overflows the sampler's int64 tensors)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}")
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k must be -1 (off) or in [1, {vocab_size}] (the vocabulary), got {params.top_k}")
 
 
 def pair_prompts_with_params(
@@ -72,13 +87,18 @@ def make_reqs(
     tokenizer: Tokenizer,
     prompts: PromptInput | Sequence[PromptInput],
     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    vocab_size: int | None = None,
 ) -> list[Req]:
     """One ``Req`` per prompt (rid = its index), paired with its SamplingParams as
-    ``pair_prompts_with_params`` says."""
-    return [
-        Req(rid=i, origin_input_ids=encode(tokenizer, prompt), sampling_params=params, tokenizer=tokenizer)
-        for i, (prompt, params) in enumerate(pair_prompts_with_params(prompts, sampling_params))
-    ]
+    ``pair_prompts_with_params`` says. With the model's ``vocab_size`` (the engines pass it),
+    raises ValueError for a prompt the model cannot take (``check_fits_the_vocabulary``)."""
+    reqs = []
+    for i, (prompt, params) in enumerate(pair_prompts_with_params(prompts, sampling_params)):
+        ids = encode(tokenizer, prompt)
+        if vocab_size is not None:
+            check_fits_the_vocabulary(ids, params, vocab_size)
+        reqs.append(Req(rid=i, origin_input_ids=ids, sampling_params=params, tokenizer=tokenizer))
+    return reqs
 
 
 def make_output(req: Req) -> GenerateOutput:
@@ -114,7 +134,7 @@ def generate(
     ``prompts`` is a list of prompts (a single string is accepted as a list of one);
     ``sampling_params`` is one SamplingParams for all of them or one per prompt.
     """
-    reqs = make_reqs(tokenizer, prompts, sampling_params)
+    reqs = make_reqs(tokenizer, prompts, sampling_params, model.config.vocab_size)
     running = list(reqs)
     with torch.inference_mode():
         while running:

@@ -49,7 +49,7 @@ def generate(
 ) -> list[GenerateOutput]:
     """Generate a continuation for every prompt; outputs come back in the prompts' order
     (same arguments as stage 2's ``generate``)."""
-    reqs = make_reqs(tokenizer, prompts, sampling_params)
+    reqs = make_reqs(tokenizer, prompts, sampling_params, model.config.vocab_size)
     # Preallocated: every position but the last generated token's can be written.
     cache_of = {
         req.rid: KVCache.for_model(model, capacity=len(req.origin_input_ids) + req.sampling_params.max_new_tokens - 1)

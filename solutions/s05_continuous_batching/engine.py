@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Hashable, Sequence, cast
+from typing import Any, Callable, ClassVar, Hashable, Sequence
 
 import torch
 
@@ -28,7 +28,14 @@ from s00_foundation.loader import load_model
 from s00_foundation.model import CausalLM
 from s00_foundation.paths import default_model_path
 from s00_foundation.tokenizer import Tokenizer
-from s02_request_and_sampling.engine import GenerateOutput, PromptInput, encode, make_output, pair_prompts_with_params
+from s02_request_and_sampling.engine import (
+    GenerateOutput,
+    PromptInput,
+    check_fits_the_vocabulary,
+    encode,
+    make_output,
+    pair_prompts_with_params,
+)
 from s02_request_and_sampling.req import FinishReason, Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -185,15 +192,10 @@ class ContinuousBatchingEngine:
         """A ``Req`` for ``prompt`` (text, chat messages or token ids); rid defaults to a counter."""
         if rid is None:
             rid, self._next_rid = self._next_rid, self._next_rid + 1
-        if self.tokenizer is None:
-            if isinstance(prompt, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError(
-                    f"request {rid}: this engine has no tokenizer, so prompts must be token ids; got {prompt!r:.60}"
-                )
-            ids, eos = cast(list[int], list(prompt)), self.model.config.eos_token_ids  # ints, as just checked
-        else:
-            ids, eos = encode(self.tokenizer, prompt), None  # None: the tokenizer's EOS ids
-        return Req(rid, ids, sampling_params or SamplingParams(), tokenizer=self.tokenizer, eos_token_ids=eos)
+        ids, params = encode(self.tokenizer, prompt), sampling_params or SamplingParams()
+        check_fits_the_vocabulary(ids, params, self.model.config.vocab_size)
+        eos = self.model.config.eos_token_ids if self.tokenizer is None else None  # None: the tokenizer's
+        return Req(rid, ids, params, tokenizer=self.tokenizer, eos_token_ids=eos)
 
     def add_request(
         self, prompt: PromptInput, sampling_params: SamplingParams | None = None, rid: Hashable | None = None
@@ -235,9 +237,11 @@ class ContinuousBatchingEngine:
 
         ``prompts`` is a list of prompts (a single string is accepted as a list of one);
         ``sampling_params`` is one SamplingParams for all or one per prompt. A request that
-        cannot be served (a malformed prompt, or one that could never fit the model's context
-        or the KV pool) does not stop the others: its output has finish_reason "abort", no
-        tokens, and ``error`` says why. Every other request runs as if it were alone.
+        cannot be served (a malformed prompt, ids or a top_k beyond the vocabulary, or one that
+        could never fit the model's context or the KV pool) does not stop the others: its output
+        has finish_reason "abort", no tokens, and ``error`` says why. Every other request runs as
+        if it were alone. A step that raises (or Ctrl-C) ends every request and passes the error
+        on, leaving the engine idle.
         """
         if self.has_work:
             raise RuntimeError(
@@ -252,8 +256,16 @@ class ContinuousBatchingEngine:
                 entries.append(req)
             except ValueError as error:
                 entries.append(rejected_output(len(req.origin_input_ids) if req else 0, params, error))
-        while self.has_work:
-            self.step()
+        try:
+            while self.has_work:
+                self.step()
+        except BaseException:
+            # A step that raised (or Ctrl-C): end every request, free what they hold, and pass the
+            # error on; the engine is idle again, ready for the next call.
+            self.abort_failed_step()
+            for req in list(self.scheduler.waiting):
+                self.abort_request(req.rid)
+            raise
         return [request_output(e) if isinstance(e, Req) else e for e in entries]
 
 

@@ -166,7 +166,7 @@ class StaticBatchEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerateOutput]:
         """Stage 2's ``generate`` contract, served as one static batch out of the pool."""
-        reqs = make_reqs(tokenizer, prompts, sampling_params)
+        reqs = make_reqs(tokenizer, prompts, sampling_params, self.runner.model.config.vocab_size)
         self.run(reqs)
         return [make_output(req) for req in reqs]
 
