@@ -449,7 +449,8 @@ def step_sdpa(ctx: Checks) -> None:
 
                 selected = attention_ops(run_static)
                 bs, length = bucket
-                q = torch.randn(bs, heads, 1, head_dim, device=ctx.device, dtype=dtype)
+                # the graph decode's call (attend_decode): each KV head's query heads in the query dimension
+                q = torch.randn(bs, kv_heads, heads // kv_heads, head_dim, device=ctx.device, dtype=dtype)
                 k = torch.randn(bs, length, kv_heads, head_dim, device=ctx.device, dtype=dtype).transpose(1, 2)
                 mask = torch.rand(bs, 1, 1, length, device=ctx.device) < 0.9
                 eligible = {}
@@ -468,7 +469,6 @@ def step_sdpa(ctx: Checks) -> None:
                             k,
                             k,
                             attn_mask=mask,
-                            enable_gqa=True,
                         )
                         eligible[backend.name] = f"{ms:.3f} ms"
                     except RuntimeError as error:
@@ -552,8 +552,12 @@ def gqa_by_copy_or_by_math(ctx: Checks, calls: int = 10) -> None:
     """A measurement for a decision: without cuDNN, grouped-query attention in bfloat16 runs the math
     kernel (flash and memory-efficient refuse dense inputs with fewer K/V heads than query heads).
     Copying each K/V head to its query heads first (``repeat_interleave``) lets them run: is the copy
-    plus the fused kernel faster? Timed for a decode bucket (8 rows x 1024 keys, masked: the graph's
-    call) and a 1024-token prompt (causal: a prefill's call), ms a call, the copy included."""
+    plus the fused kernel faster? A decode has a third way, with no copy: its one query per head
+    lets the query heads of each K/V head stand in the query-length dimension ([n, KVH, G, D]
+    against keys [n, KVH, kv_len, D]), so the head counts match (the grouping of FlashInfer's and
+    SGLang's decode kernels); its largest difference from the math kernel's output is recorded.
+    Timed for a decode bucket (8 rows x 1024 keys, masked: the graph's call) and a 1024-token
+    prompt (causal: a prefill's call), ms a call, any copy included."""
     label, shape = ctx.shapes()[-1]
     heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     group = heads // kv_heads
@@ -576,10 +580,18 @@ def gqa_by_copy_or_by_math(ctx: Checks, calls: int = 10) -> None:
             full = k.repeat_interleave(group, dim=1)
             return F.scaled_dot_product_attention(q, full, full, **how)
 
+        def grouped(q, k, how):
+            n, _, queries, d = q.shape
+            if queries != 1:
+                raise ValueError("only a decode's single query can be grouped this way")
+            return F.scaled_dot_product_attention(q.view(n, kv_heads, group, d), k, k, **how).view(n, heads, 1, d)
+
         ways = {
             "math, enable_gqa": ([SDPBackend.MATH], math_gqa),
             "copy + efficient": ([SDPBackend.EFFICIENT_ATTENTION], copied),
             "copy + flash": ([SDPBackend.FLASH_ATTENTION], copied),
+            "grouped + efficient": ([SDPBackend.EFFICIENT_ATTENTION], grouped),
+            "grouped + math": ([SDPBackend.MATH], grouped),
         }
         rows = {}
         for name, (q, k, how) in cases.items():
@@ -589,10 +601,16 @@ def gqa_by_copy_or_by_math(ctx: Checks, calls: int = 10) -> None:
                     row[way] = f"{ms_per_call(ctx.device, backends, run, q, k, how, calls=calls):.3f} ms"
                 except RuntimeError:
                     row[way] = "refused"
+                except ValueError:
+                    row[way] = "n/a"
             rows[name] = row
-        record["data"] = {"ms_per_call": rows}
-        record["detail"] = "; ".join(
-            f"{name}: " + ", ".join(f"{way} {ms}" for way, ms in row.items()) for name, row in rows.items()
+        q, k, how = cases["decode 8x1024"]
+        with sdpa_kernel([SDPBackend.MATH]):
+            apart = (grouped(q, k, how).float() - math_gqa(q, k, how).float()).abs().max().item()
+        record["data"] = {"ms_per_call": rows, "grouped_vs_math_max_diff": apart}
+        record["detail"] = (
+            "; ".join(f"{name}: " + ", ".join(f"{way} {ms}" for way, ms in row.items()) for name, row in rows.items())
+            + f"; grouped vs math (decode) {apart:.3g}"
         )
 
 

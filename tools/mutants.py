@@ -944,8 +944,8 @@ MUTANTS: list[Mutant] = [
         "s08_cuda_graph/decode_attention.py",
         "a decode row attends only to its own keys: the key mask hides the padding of shorter rows",
         edit(
-            "q[:, :, None, :], keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True",
-            "q[:, :, None, :], keys, values, enable_gqa=True",
+            "F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask[:, None, None, :])",
+            "F.scaled_dot_product_attention(grouped, keys, values)",
         ),
         r"mask|attend_decode",
     ),
@@ -964,14 +964,12 @@ MUTANTS: list[Mutant] = [
         "s08_cuda_graph/decode_attention.py",
         "with grouped-query attention, query head h reads KV head h // (query heads per KV head), not h % num_kv_heads",
         edit(
-            """        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True
-        )""",
-            """        groups = q.shape[1] // keys.shape[1]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys.repeat(1, groups, 1, 1), values.repeat(1, groups, 1, 1),
-            attn_mask=key_mask[:, None, None, :],
-        )""",
+            """        grouped = q.reshape(n, kv_heads, q.shape[1] // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask[:, None, None, :])
+        return out.reshape(n, -1, head_dim)""",
+            """        grouped = q.reshape(n, q.shape[1] // kv_heads, kv_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask[:, None, None, :])
+        return out.transpose(1, 2).reshape(n, -1, head_dim)""",
         ),
         r"GQA|grouped|KV head|repeat",
     ),

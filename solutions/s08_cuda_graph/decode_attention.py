@@ -16,7 +16,9 @@ so the whole batch fits one dense block instead::
 
 and every layer writes the new K/V (``pool[out_cache_loc] = k, v``), gathers
 ``pool.index_select(kv_indices)`` (a dense [bs, kv_len] block) and runs ONE masked SDPA for the
-batch: no loop, no host work, no shape that depends on the batch's contents.
+batch: no loop, no host work, no shape that depends on the batch's contents. With grouped-query
+attention (G query heads per KV head) the single query of a row lets each KV head's G queries
+stand in SDPA's query dimension, so K and V are used as gathered, never copied per query head.
 
 The same path serves two callers:
 
@@ -284,12 +286,15 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         # BEGIN EXERCISE: decode attention for every row in one batched call [#what-you-write]
         flat = kv_indices.reshape(-1)
         k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-        keys = k_buffer.index_select(0, flat).view(n, kv_len, *k_buffer.shape[1:]).transpose(1, 2)
-        values = v_buffer.index_select(0, flat).view(n, kv_len, *v_buffer.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True
-        )
-        return out[:, :, 0, :]
+        kv_heads, head_dim = k_buffer.shape[1:]
+        keys = k_buffer.index_select(0, flat).view(n, kv_len, kv_heads, head_dim).transpose(1, 2)
+        values = v_buffer.index_select(0, flat).view(n, kv_len, kv_heads, head_dim).transpose(1, 2)
+        # One query per row, so the G query heads of each KV head can stand in the query dimension
+        # (query head h reads KV head h // G): every head count matches, and K and V are read as
+        # they are, never copied once per query head (as SDPA's enable_gqa does on its math kernel).
+        grouped = q.reshape(n, kv_heads, q.shape[1] // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask[:, None, None, :])
+        return out.reshape(n, -1, head_dim)
         # END EXERCISE
 
 

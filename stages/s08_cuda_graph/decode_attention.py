@@ -16,7 +16,9 @@ so the whole batch fits one dense block instead::
 
 and every layer writes the new K/V (``pool[out_cache_loc] = k, v``), gathers
 ``pool.index_select(kv_indices)`` (a dense [bs, kv_len] block) and runs ONE masked SDPA for the
-batch: no loop, no host work, no shape that depends on the batch's contents.
+batch: no loop, no host work, no shape that depends on the batch's contents. With grouped-query
+attention (G query heads per KV head) the single query of a row lets each KV head's G queries
+stand in SDPA's query dimension, so K and V are used as gathered, never copied per query head.
 
 The same path serves two callers:
 

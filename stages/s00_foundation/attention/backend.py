@@ -40,8 +40,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if n == total:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
     elif n == 1:
-        # A decode step: the one query is the newest token and sees every key; no mask to build.
-        out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        # A decode step: the one query is the newest token and sees every key (no mask to build).
+        # Each K/V head's query heads stand in the query dimension, so the head counts match and
+        # no kernel copies K/V once per query head (stage 8's lesson, "Grouped queries").
+        kv_heads = k.shape[1]
+        grouped = q.reshape(1, kv_heads, q.shape[1] // kv_heads, q.shape[2])
+        return F.scaled_dot_product_attention(grouped, kt, vt).reshape(q.shape)
     else:
         # With a cached prefix the mask is "bottom-right aligned": SDPA's is_causal aligns it
         # top-left, which would hide the prefix from the first new token, so spell it out.
