@@ -52,7 +52,7 @@ class Tokenizer:
         if not messages:
             raise ValueError("messages must hold at least one message")
         pattern = self.control_tokens
-        if pattern is None or not any(pattern.search(v) for m in messages for v in _texts(m)):
+        if pattern is None or not any(pattern.search(v) for m in messages for k, v in m.items() if _is_text(k, v)):
             encoded = self.hf.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
             )
@@ -71,9 +71,9 @@ class Tokenizer:
 
         def mark(found: re.Match) -> str:
             spelled.append(found.group())
-            return f"[[{tag}:{len(spelled) - 1}]]"
+            return marker(tag, len(spelled) - 1)
 
-        marked = [{k: pattern.sub(mark, v) if v in _texts(m) else v for k, v in m.items()} for m in messages]
+        marked = [{k: pattern.sub(mark, v) if _is_text(k, v) else v for k, v in m.items()} for m in messages]
         text = self.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
         markers = re.compile(rf"\[\[{tag}:(\d+)\]\]")
         ids: list[int] = []
@@ -115,9 +115,14 @@ def marker_tag() -> str:
     return str(secrets.randbelow(10**12)).zfill(12)
 
 
-def _texts(message: dict) -> list[str]:
-    """What a message says in words (its content, a name): everything but its role."""
-    return [v for k, v in message.items() if k != "role" and isinstance(v, str)]
+def marker(tag: str, index: int) -> str:
+    """The marker that stands for item ``index`` while a template renders (tag: ``marker_tag()``)."""
+    return f"[[{tag}:{index}]]"
+
+
+def _is_text(key: str, value) -> bool:
+    """Whether a message's field says something in words (its content, a name): any text but its role."""
+    return key != "role" and isinstance(value, str)
 
 
 def _eos_token_ids(folder: Path, hf) -> list[int]:

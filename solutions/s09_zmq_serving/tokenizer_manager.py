@@ -17,7 +17,7 @@ from __future__ import annotations
 import zmq
 from jinja2 import TemplateError
 
-from s00_foundation.tokenizer import Tokenizer, marker_tag
+from s00_foundation.tokenizer import Tokenizer, marker, marker_tag
 
 from .io_struct import DebugFaultReq, ErrorOut, GenerateReqInput, TokenizedGenerateReqInput
 from .worker_loop import Fault, serve_messages
@@ -67,10 +67,10 @@ class TokenizerManager:
         if not named or not self.tokenizer.is_chat:
             return  # (without a template apply_chat_template refuses the messages, saying why)
         tag = marker_tag()
-        marked = [dict(m, name=f"[[{tag}:{i}]]") if "name" in m else m for i, m in enumerate(messages)]
+        marked = [dict(m, name=marker(tag, i)) if "name" in m else m for i, m in enumerate(messages)]
         text = self.tokenizer.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
         for i in named:
-            if f"[[{tag}:{i}]]" not in text:
+            if marker(tag, i) not in text:
                 raise PromptError(
                     f"messages[{i}].name: this model's chat template does not use a message's name, "
                     "so it would be dropped; leave it out (or put it in the content)",
