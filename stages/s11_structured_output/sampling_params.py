@@ -2,8 +2,8 @@
 
 A request names at most one grammar: ``json_schema`` (a JSON schema, as a dict or its JSON text;
 ``{"type": "object"}`` is OpenAI's JSON mode) or ``regex`` (SGLang's extension). The schema is
-stored as canonical JSON text (sorted keys, no spaces): the grammar cache is keyed by
-``grammar_key`` = (kind, text), so two spellings of one schema compile once.
+stored as compact JSON text in the order it was written (``canonical_schema``): the grammar cache
+is keyed by ``grammar_key`` = (kind, text), so one schema, however it is spaced, compiles once.
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ class StructuredSamplingParams(SamplingParams):
 
 
 def canonical_schema(schema: str | dict[str, Any]) -> str:
-    """A JSON schema as canonical JSON text; ValueError if it is not a JSON object."""
+    """A JSON schema as compact JSON text, its keys in the order given; ValueError if it is not a
+    JSON object.
+
+    Only the spelling is normalised (spaces, indentation, escapes), never the order: the grammar
+    writes an object's properties in the order its schema lists them (as OpenAI's structured
+    outputs do), so a schema listing name before age and one listing age before name are two
+    grammars. Sorting the keys would hand a client asking for {"name", "age"} the age first."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -50,4 +56,4 @@ def canonical_schema(schema: str | dict[str, Any]) -> str:
             raise ValueError(f"json_schema is not valid JSON: {error}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON object (a dict), got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))

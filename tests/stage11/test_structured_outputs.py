@@ -3,11 +3,14 @@
 Batches that mix JSON schemas (nested objects, arrays of enums, bounded numbers, optional fields,
 string patterns), regexes and free requests, greedy and seeded, with overlap on and off: every
 constrained output ends by itself and parses and validates (``jsonschema``, ``re.fullmatch``);
-both loops give the same tokens; greedy constrained tokens equal transformers' ``generate`` with a
-logits processor made from the same library (llguidance); the bitmask masks exactly the forbidden
-tokens; retraction rolls the grammar back and changes nothing; an abort frees the grammar."""
+both loops give the same tokens; an object's properties come in the schema's order; greedy
+constrained tokens equal transformers' ``generate`` with a logits processor made from the same
+library (llguidance); the bitmask masks exactly the forbidden tokens; retraction rolls the grammar
+back and changes nothing; an abort frees the grammar."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -104,15 +107,31 @@ def test_each_schema_compiles_once(outputs_by_mode, tiny_llama):
     assert backend.compilations == distinct, (
         f"{distinct} distinct grammars were compiled {backend.compilations} times: the cache is keyed by (kind, text)"
     )
-    # The same schema again, spelled with its keys in another order: served from the cache.
+    # The same schema again, as indented JSON text: served from the cache.
     schema = SCHEMAS["flat"]
-    respelled = dict(reversed(list(schema.items())))
+    respelled = json.dumps(schema, indent=4)
     [out] = engine.generate([[41, 42]], constrained("json", respelled))
     assert_follows(out.text, out.finish_reason, "json", schema, "the flat schema again")
     assert backend.compilations == distinct, (
         f"the flat schema, seen before, was compiled again ({backend.compilations} compilations for {distinct} "
-        "distinct grammars): the cache is keyed by (kind, canonical text), so a respelled schema hits it"
+        "distinct grammars): the cache is keyed by (kind, canonical text), so the same schema spaced "
+        "another way hits it"
     )
+
+
+def test_properties_come_in_the_schemas_order(outputs_by_mode):
+    engine = outputs_by_mode[0][False][0]
+    schema = SCHEMAS["flat"]
+    reordered = {**schema, "properties": dict(reversed(list(schema["properties"].items())))}
+    outputs = engine.generate([[41, 42], [41, 42]], [constrained("json", schema), constrained("json", reordered)])
+    for out, spec in zip(outputs, (schema, reordered)):
+        assert_follows(out.text, out.finish_reason, "json", spec, "the flat schema")
+        keys, expected = list(json.loads(out.text)), list(spec["properties"])
+        assert keys == expected, (
+            f"the schema lists the properties as {expected}, the output wrote {keys} ({out.text!r}): a grammar "
+            "writes them in the schema's order, as OpenAI's structured outputs do; canonical_schema must keep "
+            "the key order (json.dumps without sort_keys)"
+        )
 
 
 class LLGuidanceProcessor:
