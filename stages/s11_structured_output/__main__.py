@@ -2,7 +2,8 @@
 
 On the default model (SmolLM2-135M-Instruct), prompts that ask for JSON are sampled with and without
 their schema as a grammar; it prints the share of outputs that parse and validate in each case,
-one output of each, and what the mask costs per token beside a decode step.
+one output of each, where the grammar steered one greedy output away from the model's own choice,
+and what the mask costs per token beside a decode step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from s00_foundation.device import set_torch_threads
 from s00_foundation.milestone import add_model_args, load_from_args
 
 from .engine import Engine
-from .validity import CASES, mask_cost, validity_rates
+from .validity import CASES, mask_cost, mask_walk, validity_rates
 
 
 def main() -> None:
@@ -34,10 +35,14 @@ def main() -> None:
     print(f"{'case':>8s} {'valid, free':>12s} {'valid, grammar':>15s}   one output with the grammar")
     for name, row in validity_rates(engine, samples=args.samples).items():
         print(f"{name:>8s} {row['free']:>12.0%} {row['grammar']:>15.0%}   {row['grammar_example']}")
+    prompt, schema = CASES["rating"]
+    walk = mask_walk(engine, schema, prompt)
+    steered = [f"{step.token!r} for {step.model_choice!r}" for step in walk if step.steered]
+    print(f"\nthe grammar steered {len(steered)} of {len(walk)} greedy tokens of 'rating': {', '.join(steered)}")
     prompt, schema = CASES["person"]
     cost = mask_cost(engine, schema, prompt)
     print(
-        f"\nmask per token ({cost['tokens']:.0f} tokens of 'person'): fill {cost['fill_ms']:.3f} ms, "
+        f"mask per token ({cost['tokens']:.0f} tokens of 'person'): fill {cost['fill_ms']:.3f} ms, "
         f"apply {cost['apply_ms']:.3f} ms; a decode step: {cost['decode_step_ms']:.1f} ms"
     )
     print(f"compilations: {engine.scheduler.grammar_backend.compilations} (one per schema)")
