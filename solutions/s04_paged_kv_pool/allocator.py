@@ -130,6 +130,15 @@ class TokenToKVPoolAllocator:
         self.free_pages.extend(pages)
         # END EXERCISE
 
+    def free_orphans(self, held: torch.Tensor) -> None:
+        """Free every allocated page that holds none of the slots in ``held``. A pass that failed
+        midway may have allocated slots that no request's bookkeeping records; once every owner
+        has given back what it vouches for, ``held`` is what is still owned (a prefix cache's
+        slots), and every other allocated page is an orphan."""
+        held_pages = torch.unique(torch.as_tensor(held).reshape(-1).cpu() // self.page_size)
+        allocated = self.page_allocated.nonzero().flatten()
+        self.free(allocated[~torch.isin(allocated, held_pages)] * self.page_size)
+
     def check_invariants(self, owners: Sequence[torch.Tensor] | None = None) -> None:
         """Raise AssertionError unless the bookkeeping is consistent.
 

@@ -172,11 +172,29 @@ class StaticBatchEngine:
         # END EXERCISE
 
     def run(self, reqs: Sequence[Req]) -> None:
-        """Run a static batch to completion (each Req ends with its output_ids and finish reason)."""
+        """Run a static batch to completion (each Req ends with its output_ids and finish reason).
+        If a step raises (or is interrupted: Ctrl-C in a notebook), the batch is aborted and the
+        error passed on, so the engine is empty again and takes the next batch."""
         self.add_requests(reqs)
-        with torch.inference_mode():
-            while self.running:
-                self.step()
+        try:
+            with torch.inference_mode():
+                while self.running:
+                    self.step()
+        except BaseException:
+            self.abort_batch()
+            raise
+
+    def abort_batch(self) -> None:
+        """End every running request (finish reason "abort") and take back all the batch held:
+        after a failed step nobody knows which slots its last pass allocated, but a static batch
+        shares its pool with no one, so every allocated page is the batch's."""
+        for req in self.running:
+            if req.req_pool_idx is not None:
+                self.runner.req_to_token_pool.free(req.req_pool_idx)
+                req.req_pool_idx = None
+            req.abort()
+        self.running = []
+        self.runner.allocator.free_orphans(torch.empty(0, dtype=torch.long))
 
     def generate(
         self,

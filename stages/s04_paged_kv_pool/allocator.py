@@ -112,6 +112,15 @@ class TokenToKVPoolAllocator:
             "Stage 4: free pages: refuse a double free before changing anything - see stages/s04_paged_kv_pool/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
 
+    def free_orphans(self, held: torch.Tensor) -> None:
+        """Free every allocated page that holds none of the slots in ``held``. A pass that failed
+        midway may have allocated slots that no request's bookkeeping records; once every owner
+        has given back what it vouches for, ``held`` is what is still owned (a prefix cache's
+        slots), and every other allocated page is an orphan."""
+        held_pages = torch.unique(torch.as_tensor(held).reshape(-1).cpu() // self.page_size)
+        allocated = self.page_allocated.nonzero().flatten()
+        self.free(allocated[~torch.isin(allocated, held_pages)] * self.page_size)
+
     def check_invariants(self, owners: Sequence[torch.Tensor] | None = None) -> None:
         """Raise AssertionError unless the bookkeeping is consistent.
 

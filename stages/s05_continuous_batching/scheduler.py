@@ -156,10 +156,7 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.abort_request(req.rid)
-        allocator = self.runner.allocator
-        held = torch.unique(self.prefix_cache.cached_slots().reshape(-1).cpu() // self.page_size)
-        allocated = allocator.page_allocated.nonzero().flatten()
-        allocator.free(allocated[~torch.isin(allocated, held)] * self.page_size)
+        self.runner.allocator.free_orphans(self.prefix_cache.cached_slots())
         return holders
 
     @property

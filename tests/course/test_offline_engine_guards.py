@@ -1,8 +1,10 @@
 """The offline engine's guards on the reference (not graded): a request the model cannot take
 is refused with the reason while the others run, and a generate() that raises midway leaves the
-engine idle and whole, ready for the next call."""
+engine idle and whole, ready for the next call (stage 4's static batch included)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.engine import generate as naive_generate
 from s02_request_and_sampling.sampling_params import SamplingParams
+from s04_paged_kv_pool.engine import StaticBatchEngine
 from s05_continuous_batching.engine import ContinuousBatchingEngine
 from s08_cuda_graph.engine import CudaGraphEngine
 from s10_overlap_scheduling.engine import OverlapEngine
@@ -26,6 +29,21 @@ def make_engine(engine_class, path: str):
     # then the one in flight on the worker thread.
     knobs = {} if engine_class in (ContinuousBatchingEngine, CudaGraphEngine) else {"disable_overlap": False}
     return engine_class(engine_model(path), engine_tokenizer(path), pool_size=512, **knobs)
+
+
+def fail_on_the_third_pass(runner, raised: BaseException, monkeypatch) -> tuple[Callable, list[int]]:
+    """Make ``runner.forward`` raise ``raised`` on its third call; returns the real forward and
+    the list of calls so far."""
+    forward, calls = runner.forward, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise raised
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", failing)
+    return forward, calls
 
 
 def idle_and_free(engine) -> None:
@@ -61,21 +79,30 @@ def test_a_generate_that_raises_midway_leaves_the_engine_idle(tiny_models_root, 
     path = str(tiny_models_root / "llama")
     engine = make_engine(engine_class, path)
     expected = [out.output_ids for out in engine.generate(PROMPTS, GREEDY)]
-    forward, calls = engine.runner.forward, []
-
-    def fails_on_the_third_pass(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise raised
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "forward", fails_on_the_third_pass)
+    forward, calls = fail_on_the_third_pass(engine.runner, raised, monkeypatch)
     with pytest.raises(type(raised)):
         engine.generate([*PROMPTS, list(b"a third, waiting")], GREEDY)
     assert len(calls) >= 3  # with overlap the next pass may have started before the failure surfaced
     idle_and_free(engine)
     monkeypatch.setattr(engine.runner, "forward", forward)
     assert [out.output_ids for out in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("raised", [RuntimeError("the forward pass failed"), KeyboardInterrupt()], ids=repr)
+def test_a_static_batch_that_raises_midway_leaves_the_engine_empty(tiny_models_root, raised, monkeypatch):
+    path = str(tiny_models_root / "llama")
+    engine = StaticBatchEngine(engine_model(path), pool_size=512, page_size=4, max_running_requests=4)
+    tokenizer = engine_tokenizer(path)
+    expected = [out.output_ids for out in engine.generate(tokenizer, PROMPTS, GREEDY)]
+    forward, _ = fail_on_the_third_pass(engine.runner, raised, monkeypatch)
+    with pytest.raises(type(raised)):
+        engine.generate(tokenizer, [*PROMPTS, list(b"a third")], GREEDY)
+    assert engine.running == [], "the failed batch should be aborted"
+    rows, allocator = engine.runner.req_to_token_pool, engine.runner.allocator
+    assert allocator.available_size() == allocator.size, f"{allocator.size - allocator.available_size()} slots leaked"
+    assert rows.available_size() == rows.size, f"{rows.size - rows.available_size()} request rows are still taken"
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    assert [out.output_ids for out in engine.generate(tokenizer, PROMPTS, GREEDY)] == expected
 
 
 def test_stage_2s_generate_refuses_an_id_beyond_the_vocabulary(tiny_models_root):
