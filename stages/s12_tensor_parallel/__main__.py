@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from s00_foundation.device import describe, set_torch_threads
+from s00_foundation.device import describe, physical_cores, set_torch_threads
 from s00_foundation.paths import default_model_path
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.__main__ import QUESTIONS
@@ -60,13 +60,30 @@ def main() -> None:
     same = runs[0]["output_ids"] == runs[1]["output_ids"]
     print(f"\ntokens identical: {'yes' if same else 'NO'}   (threads per rank: {threads})")
     if device.type != "cuda":
-        print(
-            "on a CPU the ranks share the machine's cores and talk through gloo over local TCP: each all-reduce "
-            "costs tens of microseconds, so a small model gains little; on GPUs joined by NVLink an all-reduce "
-            "of a decode step's hidden state takes a few microseconds"
-        )
+        print(cpu_verdict(runs, threads, physical_cores()))
     if not same:
         raise SystemExit("the two runs produced different tokens")
+
+
+def cpu_verdict(runs: list[dict], threads: int, cores: int) -> str:
+    """What the two CPU runs say: the speed ratio, and why (a rank without a core of its own
+    makes every other rank wait for it at each collective)."""
+    tp = runs[1]["tp"]
+    ratio = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+    if tp * threads > cores:
+        why = (
+            f"its {tp} ranks of {threads} thread(s) share {cores} physical core(s), so at every all-reduce some "
+            "rank is still waiting for a core and the others wait for it: most of 'comm ms' is that waiting"
+        )
+    else:
+        why = (
+            "each rank has a core of its own; every collective is a round trip through gloo over local TCP "
+            "(tens of microseconds, 2 per layer), against a small model's short per-rank compute"
+        )
+    return (
+        f"tp={tp} ran at {ratio:.2f}x the speed of one rank on this CPU: {why}. On GPUs joined by NVLink an "
+        "all-reduce of a decode step's hidden state takes a few microseconds, and each rank computes 1/tp of the work"
+    )
 
 
 if __name__ == "__main__":
