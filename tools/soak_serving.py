@@ -9,6 +9,9 @@ Every client thread, until the time is up, picks a kind of client by weight and 
 (slow clients have threads of their own, since each one waits for the server's read timeout):
 
     good        a chat or a completion, streamed or not; the answer must be a well-formed OpenAI answer
+    structured  the same with a grammar (a JSON schema as chat's response_format, or a regex): an
+                answer that ends by itself must follow it (a JSON object's keys in the schema's
+                order); one in five gives up after 0.2 s, while its grammar compiles or runs
     malformed   broken JSON, wrong types, unknown fields, hostile strings (lone surrogates, NUL,
                 template syntax) and numbers (2**63, 10**30, NaN, Infinity): an OpenAI error (4xx)
     huge        a body over the server's cap (413), a prompt longer than any context (400), or a
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import socket
 import sys
 import threading
@@ -122,7 +126,18 @@ FIELDS = [
 ]
 PROMPTS = ["Hi", "Tell me a story.", "héllo wörld ☃ 中文", "1 + 1 =", "a\nb\n\nc"]
 BUSY = {503, 504}  # an overloaded server (many clients at once), a request past --request-timeout
-KINDS = {"good": 0.45, "malformed": 0.30, "huge": 0.07, "disconnect": 0.18}  # of the request threads
+KINDS = {"good": 0.35, "structured": 0.12, "malformed": 0.28, "huge": 0.07, "disconnect": 0.18}  # of the threads
+# The grammars of structured clients: small enough that most answers end by themselves in 24 tokens
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["b", "a"]}},
+        "required": ["n", "tag"],
+        "additionalProperties": False,
+    },
+]
+REGEXES = [r"(yes|no)", r"[0-9]{1,3}", r"(cat|dog)s?!", r"é+ ☃"]
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -268,6 +283,36 @@ def answer_problems(path: str, body: dict | None, answer: requests.Response, all
     return [] if ok else [f"a malformed OpenAI answer: {raw[:300]!r}"]
 
 
+def answer_text(path: str, answer: requests.Response) -> tuple[str, str | None]:
+    """A 200 answer's whole text and finish reason, streamed or not."""
+    if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+        choice = answer.json()["choices"][0]
+        return (choice["message"]["content"] if path == CHAT else choice["text"]), choice["finish_reason"]
+    text, finish = "", None
+    for line in answer.content.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[len(b"data: ") :]).get("choices", []):
+                text += (choice["delta"].get("content") or "") if path == CHAT else choice["text"]
+                finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+def grammar_problems(text: str, schema: dict | None, regex: str | None) -> list[str]:
+    """Why ``text``, an answer that ended by itself, does not follow its grammar."""
+    if regex is not None:
+        return [] if re.fullmatch(regex, text) else [f"{text!r} does not match the regex {regex!r}"]
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+    except (ValueError, jsonschema.ValidationError) as error:
+        return [f"{text!r} does not follow its JSON schema ({type(error).__name__})"]
+    if list(value) != list(schema["properties"]):
+        return [f"{text!r} writes its keys as {list(value)}, the schema lists {list(schema['properties'])}"]
+    return []
+
+
 # --- the soak -----------------------------------------------------------------------------------
 
 
@@ -304,6 +349,34 @@ class Soak:
         path = CHAT if "messages" in body else COMPLETIONS
         answer = self.post(path, json.dumps(body).encode())
         self.record("good", str(answer.status_code), answer_problems(path, body, answer, {200, *BUSY}))
+
+    def structured(self, rng: random.Random) -> None:
+        chat = rng.random() < 0.5
+        body = {**good_body(rng, self.model, chat), "max_tokens": 24}
+        schema, regex = (rng.choice(SCHEMAS), None) if chat and rng.random() < 0.6 else (None, rng.choice(REGEXES))
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
+        else:
+            body["regex"] = regex
+        path = CHAT if chat else COMPLETIONS
+        give_up = rng.random() < 0.2
+        try:
+            answer = self.post(path, json.dumps(body).encode(), timeout=0.2 if give_up else 120)
+        except (requests.Timeout, requests.ConnectionError):  # a stream's body read past 0.2 s: ConnectionError
+            if not give_up:
+                raise
+            self.record("structured", "gave up after 0.2 s")
+            return
+        if answer.status_code == 400 and "need stage 11's engine" in answer.text:  # a server without grammars
+            self.record("structured", "400 (this server has no grammars)")
+            return
+        problems, outcome = answer_problems(path, body, answer, {200, *BUSY}), str(answer.status_code)
+        if not problems and answer.status_code == 200:
+            text, finish = answer_text(path, answer)
+            ended = finish == "stop"
+            problems = grammar_problems(text, schema, regex) if ended else []
+            outcome = "200, ended: checked against its grammar" if ended else "200, cut at max_tokens"
+        self.record("structured", outcome, problems)
 
     def malformed(self, rng: random.Random) -> None:
         path, data, body = hostile_request(rng, self.model)
@@ -427,7 +500,7 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
     leaked = after["pool_size"] - after["free_slots"] - after["tree_cached_tokens"]
 
     total = sum(runner.outcomes.values())
-    served = sum(n for (kind, outcome), n in runner.outcomes.items() if outcome == "200")
+    served = sum(n for (kind, outcome), n in runner.outcomes.items() if outcome.startswith("200"))
     print(
         f"\n{total} requests in {elapsed:.0f} s from {clients} + {slow_clients} slow clients ({total / elapsed:.1f} "
         f"req/s) against {base_url} "
