@@ -89,3 +89,41 @@ def assert_same_tokens(got: Sequence[int], expected: Sequence[int], what: str, t
         f"{what}: your engine produced {len(got)} tokens, the reference {len(expected)} (the first {common} agree); "
         f"{tail}"
     )
+
+
+def hf_logprobs(path: str | Path, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
+    """transformers' log_softmax at each output position: row i is the distribution output[i] was
+    drawn from (one forward over prompt + output, in float32)."""
+    with torch.no_grad():
+        logits = hf_model(str(path))(torch.tensor([[*prompt, *output]])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+
+
+LOGPROB_TOLERANCE = 1e-4  # float32 logits of the same model computed two ways (the engine, transformers)
+
+
+def assert_logprobs_match(path: str | Path, prompt: Sequence[int], output, k: int, what: str) -> None:
+    """``output`` (a GenerateOutput of a request with logprobs=k) has one entry per output token,
+    each with transformers' logprob of that token and its k likeliest tokens."""
+    __tracebackhide__ = True
+    entries = output.logprobs
+    assert entries is not None and len(entries) == len(output.output_ids), (
+        f"{what}: logprobs={k} asks for one entry per output token ({len(output.output_ids)}), got "
+        f"{None if entries is None else len(entries)}"
+    )
+    assert [e.token_id for e in entries] == list(output.output_ids), (
+        f"{what}: entry i names output token i: the entries name {[e.token_id for e in entries]}, the output is "
+        f"{list(output.output_ids)}"
+    )
+    expected = hf_logprobs(path, prompt, output.output_ids)
+    for i, entry in enumerate(entries):
+        want = expected[i, entry.token_id].item()
+        assert abs(entry.logprob - want) < LOGPROB_TOLERANCE, (
+            f"{what}: output token {i} ({entry.token_id}) has logprob {entry.logprob:.6f}, transformers' "
+            f"log_softmax of the raw logits gives {want:.6f}"
+        )
+        top = expected[i].topk(k).indices.tolist()
+        assert [t for t, _ in entry.top] == top, (
+            f"{what}: at output token {i} the {k} likeliest tokens are {top} (transformers), the entry lists "
+            f"{[t for t, _ in entry.top]}"
+        )

@@ -260,6 +260,45 @@ MUTANTS: list[Mutant] = [
         edit("        if self.top_k != -1 and self.top_k < 1:", "        if self.top_k < -1:"),
         r"top_k",
     ),
+    Mutant(
+        "s02-logprobs-no-upper-bound",
+        "s02_request_and_sampling/sampling_params.py",
+        "logprobs asks for at most 20 alternatives per token: refuse more when the params are built",
+        edit("if not 0 <= self.logprobs <= MAX_LOGPROBS:", "if not 0 <= self.logprobs:"),
+        r"logprobs=21\) was accepted",
+    ),
+    Mutant(
+        "s02-logprobs-are-probabilities",
+        "s02_request_and_sampling/logprobs.py",
+        "a log-probability is the log_softmax of the logits (<= 0), not the softmax",
+        edit(
+            "logprobs = torch.log_softmax(logits[rows].float(), dim=-1)",
+            "logprobs = torch.softmax(logits[rows].float(), dim=-1)",
+        ),
+        r"log_softmax",
+    ),
+    Mutant(
+        "s02-logprobs-after-temperature",
+        "s02_request_and_sampling/logprobs.py",
+        "log-probabilities describe the model's own distribution: the raw logits, before the temperature reshapes them",
+        edit(
+            "logprobs = torch.log_softmax(logits[rows].float(), dim=-1)",
+            "logprobs = torch.log_softmax(\n        logits[rows].float()\n"
+            "        / torch.tensor([max(reqs[i].sampling_params.temperature, 1e-5) for i in rows])[:, None],\n"
+            "        dim=-1,\n    )",
+        ),
+        r"temperature|raw logits",
+    ),
+    Mutant(
+        "s02-logprobs-the-batchs-k",
+        "s02_request_and_sampling/logprobs.py",
+        "each request gets the number of alternatives IT asked for (the batch's largest k is only what topk computes)",
+        edit(
+            "tuple(zip(top_ids[j][:k_i], top_values[j][:k_i]))",
+            "tuple(zip(top_ids[j], top_values[j]))",
+        ),
+        r"logprobs=0|likeliest",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
         "s03-attend-new-tokens-only",
@@ -307,8 +346,8 @@ MUTANTS: list[Mutant] = [
         edit(
             """    for req in reqs:
         req.cached_len = req.device_len
-    next_ids""",
-            """    next_ids""",
+    append_sampled""",
+            """    append_sampled""",
         ),
         r"cached",
     ),
@@ -426,8 +465,8 @@ MUTANTS: list[Mutant] = [
         edit(
             """        for req in self.running:
             req.cached_len = req.device_len
-        for req, token_id""",
-            """        for req, token_id""",
+        append_sampled""",
+            """        append_sampled""",
         ),
         r"cached|extend_lens",
     ),

@@ -16,6 +16,7 @@ import torch
 from s00_foundation.tokenizer import Messages, Tokenizer
 from s01_naive_generate.generate import next_token_logits
 
+from .logprobs import TokenLogprob, token_logprobs
 from .req import FinishReason, Req
 from .sampler import sample
 from .sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class GenerateOutput:
     prompt_tokens: int
     output_tokens: int
     seed: int  # pass it back in SamplingParams(seed=...) to get this exact output again
+    logprobs: list[TokenLogprob] | None  # one per output id when SamplingParams.logprobs was set, else None
 
 
 def encode(tokenizer: Tokenizer | None, prompt: PromptInput) -> list[int]:
@@ -109,7 +111,18 @@ def make_output(req: Req) -> GenerateOutput:
         prompt_tokens=len(req.origin_input_ids),
         output_tokens=len(req.output_ids),
         seed=req.seed,
+        logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
     )
+
+
+def append_sampled(reqs: Sequence[Req], logits: torch.Tensor) -> None:
+    """Each request samples its next token from its row of ``logits`` ([B, V], row i is
+    reqs[i]'s), appends it with its log-probabilities (those who asked), and checks whether it
+    is done. Every engine's step ends here, from this stage's to stage 7's scheduler."""
+    token_ids = sample(logits, reqs)
+    for req, token_id, logprob in zip(reqs, token_ids.tolist(), token_logprobs(logits, token_ids, reqs)):
+        req.append_token(token_id, logprob)
+        req.check_finished()
 
 
 def check_not_stuck(reqs: Sequence[Req]) -> None:
@@ -141,10 +154,7 @@ def generate(
             # Nothing is cached in this stage, so each pass recomputes all of fill_ids
             # (cached_len is 0 and extend_len == device_len == len(fill_ids)).
             logits = torch.stack([next_token_logits(model, req.fill_ids) for req in running])
-            next_ids = sample(logits, running).tolist()
-            for req, token_id in zip(running, next_ids):
-                req.append_token(token_id)
-                req.check_finished()
+            append_sampled(running, logits)
             check_not_stuck(running)
             running = [req for req in running if not req.finished]
     return [make_output(req) for req in reqs]

@@ -18,9 +18,15 @@ from typing import Sequence
 import torch
 
 from s00_foundation.tokenizer import Tokenizer
-from s02_request_and_sampling.engine import GenerateOutput, PromptInput, check_not_stuck, make_output, make_reqs
+from s02_request_and_sampling.engine import (
+    GenerateOutput,
+    PromptInput,
+    append_sampled,
+    check_not_stuck,
+    make_output,
+    make_reqs,
+)
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 from .generate import extend
@@ -34,10 +40,7 @@ def forward_step(model: torch.nn.Module, reqs: Sequence[Req], caches: Sequence[K
     logits = extend(model, caches, [req.fill_ids[req.cached_len : req.device_len] for req in reqs])
     for req in reqs:
         req.cached_len = req.device_len
-    next_ids = sample(logits, reqs).tolist()
-    for req, token_id in zip(reqs, next_ids):
-        req.append_token(token_id)
-        req.check_finished()
+    append_sampled(reqs, logits)
     # END EXERCISE
 
 

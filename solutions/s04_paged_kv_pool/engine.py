@@ -23,9 +23,15 @@ import torch
 from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.model import CausalLM
 from s00_foundation.tokenizer import Tokenizer
-from s02_request_and_sampling.engine import GenerateOutput, PromptInput, check_not_stuck, make_output, make_reqs
+from s02_request_and_sampling.engine import (
+    GenerateOutput,
+    PromptInput,
+    append_sampled,
+    check_not_stuck,
+    make_output,
+    make_reqs,
+)
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 from .allocator import pages_for
@@ -166,9 +172,7 @@ class StaticBatchEngine:
         # BEGIN EXERCISE: mark the pass cached, sample one token per request, append, check finished [#what-you-write]
         for req in self.running:
             req.cached_len = req.device_len
-        for req, token_id in zip(self.running, sample(logits, self.running).tolist()):
-            req.append_token(token_id)
-            req.check_finished()
+        append_sampled(self.running, logits)
         # END EXERCISE
 
     def run(self, reqs: Sequence[Req]) -> None:

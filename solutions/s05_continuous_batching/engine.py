@@ -96,6 +96,7 @@ def rejected_output(prompt_tokens: int, params: SamplingParams, error: Exception
         prompt_tokens=prompt_tokens,
         output_tokens=0,
         seed=params.seed,
+        logprobs=None,
         ttft=None,
         latency=None,
         error=str(error),

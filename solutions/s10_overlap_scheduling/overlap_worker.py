@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from s00_foundation.forward_batch import ForwardBatch
+from s02_request_and_sampling.logprobs import TokenLogprob, token_logprobs
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampler import sample
 
@@ -33,6 +34,8 @@ class ForwardResult:
     token_ids: list[int]  # one per sampled request, in the order given to submit
     start: float  # when the worker started this step (perf_counter, seconds)
     end: float  # when its tokens were on the host
+    # entry i: sampled request i's TokenLogprob, None if it did not ask (computed here, where the logits are)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 class OverlapWorker:
@@ -74,29 +77,36 @@ class OverlapWorker:
         start = time.perf_counter()
         with torch.inference_mode():  # a per-thread mode: the scheduler's does not reach here
             if self.stream is None or ready is None:
-                tokens = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
-                return ForwardResult(tokens.tolist(), start, time.perf_counter())
+                tokens, logprobs = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
+                return ForwardResult(tokens.tolist(), start, time.perf_counter(), logprobs)
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                tokens = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
+                tokens, logprobs = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
                 host = tokens.to("cpu", non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
             done.synchronize()  # this thread waits for the GPU; the scheduler's does not
-            return ForwardResult(host.tolist(), start, time.perf_counter())
+            return ForwardResult(host.tolist(), start, time.perf_counter(), logprobs)
 
-    def forward_and_sample(self, batch, sample_rows, sample_reqs, future_ids) -> torch.Tensor:
+    def forward_and_sample(
+        self, batch, sample_rows, sample_reqs, future_ids
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """The step's forward, its sampled tokens (stored under ``future_ids``) and their
+        log-probabilities (for the requests that asked; taken from the raw logits, before
+        ``sample`` and stage 11's mask)."""
         self.future_map.resolve(batch.input_ids)
         logits = self.runner.forward(batch)
         if not sample_rows:
-            return torch.empty(0, dtype=torch.int64)
-        tokens = self.sample(logits[sample_rows], sample_reqs)
+            return torch.empty(0, dtype=torch.int64), []
+        logits = logits[sample_rows]
+        tokens = self.sample(logits, sample_reqs)  # (leaves ``logits`` as they are: stage 11 masks a copy)
         self.future_map.store(future_ids, tokens)
-        return tokens
+        return tokens, token_logprobs(logits, tokens, sample_reqs)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """One token per row (stage 2's sampler); stage 11 masks the logits first, where the full
-        logits are, never inside the model's forward."""
+        logits are, never inside the model's forward. ``logits`` must stay as they are: the
+        requests' log-probabilities are read from them afterwards."""
         return sample(logits, reqs)
 
     def wait_idle(self) -> None:

@@ -28,6 +28,7 @@ from typing import Hashable
 
 from s02_request_and_sampling.req import Req
 from s05_continuous_batching.scheduler import LeaveReason, TokenOutput
+from s10_overlap_scheduling.overlap_worker import ForwardResult
 from s10_overlap_scheduling.scheduler import LaunchedBatch, OverlapScheduler
 
 from .grammar_backend import GrammarBackend
@@ -133,18 +134,18 @@ class GrammarScheduler(OverlapScheduler):
         return super().must_wait_for_last() or any(req.grammar is not None for req in self.last.sampled)
 
     def process_batch_result_overlap(
-        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+        self, launched: LaunchedBatch, result: ForwardResult, next_batch: LaunchedBatch | None
     ) -> list[TokenOutput]:
         """Each constrained request's grammar consumes its token first, then stage 10's processing
         (the stop checks: EOS, the only token a complete grammar allows, ends the request)."""
         gave_up: list[Req] = []
         if any(req.grammar is not None for req in launched.sampled):  # free steps are stage 10's alone
-            self.accept_tokens(launched.sampled, token_ids)
+            self.accept_tokens(launched.sampled, result.token_ids)
             gave_up = [r for r in launched.sampled if r.grammar is not None and r.grammar.failure and not r.finished]
         for req in gave_up:  # the library's limits: this request ends with the reason, the batch goes on
             req.grammar_error = req.grammar.failure
             self.abort_in_flight(req)  # released below, its token dropped
-        outputs = super().process_batch_result_overlap(launched, token_ids, next_batch)
+        outputs = super().process_batch_result_overlap(launched, result, next_batch)
         return outputs + [TokenOutput(req.rid, [], req.finished_reason) for req in gave_up]
 
     def accept_tokens(self, sampled: list[Req], token_ids: list[int]) -> None:

@@ -58,7 +58,8 @@ class GrammarWorker(OverlapWorker):
             reqs[row].grammar.fill_mask(bitmask, i)
         masked = logits[rows].float()  # a copy: the other rows keep their logits
         apply_token_bitmask(masked, bitmask)
-        logits = logits.float()
+        # a copy too: the caller's logits stay the model's own (log-probabilities are read from them)
+        logits = logits.to(torch.float32, copy=True)
         logits[rows] = masked
         return super().sample(logits, reqs)
         # END EXERCISE

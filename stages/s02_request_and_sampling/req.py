@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Hashable, Iterable, Literal, Sequence
 import torch
 
 from .detokenizer import Decoder, IncrementalDetokenizer
+from .logprobs import TokenLogprob
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only types: stage 2 never imports stage 5 or 11 at run time
@@ -91,6 +92,8 @@ class Req:
         if not self.origin_input_ids:
             raise ValueError(f"request {rid}: the prompt has no tokens; a model needs at least one to continue from")
         self.output_ids: list[int] = []
+        # One per output token when sampling_params.logprobs is set (whoever samples appends it)
+        self.output_logprobs: list[TokenLogprob] = []
         self.sampling_params = sampling_params
         # The tokenizer turns output ids into text: needed for stop strings and output_text.
         self.tokenizer = tokenizer
@@ -139,8 +142,9 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def append_token(self, token_id: int) -> None:
-        """Record a sampled token; the next forward pass must see it too, so device_len grows.
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Record a sampled token (and its log-probabilities, when the request asked for them);
+        the next forward pass must see it too, so device_len grows.
 
         cached_len is left alone: whether the K/V of the tokens just processed were kept is the
         cache's business (stage 3 sets cached_len = device_len before calling this).
@@ -148,6 +152,8 @@ class Req:
         if self.finished:
             raise RuntimeError(f"request {self.rid} already finished ({self.finished_reason}); it takes no more tokens")
         self.output_ids.append(int(token_id))
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         self.device_len += 1
 
     def check_finished(self) -> None:

@@ -16,6 +16,7 @@ from numbers import Integral, Real
 # float32 (1e-7 is what SGLang uses for the same decision).
 GREEDY_TEMPERATURE = 1e-7
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+MAX_LOGPROBS = 20  # the most alternatives per token a caller may ask for (OpenAI's top_logprobs allows 20)
 
 
 @dataclass
@@ -29,6 +30,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past the model's end-of-sequence token
     seed: int | None = None  # None: the request draws a fresh seed (and records it)
+    # None: no log-probabilities; k: each output token's log-probability and the k most likely
+    # tokens' at its position (0 = the token's own only); see logprobs.py
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise the convenient spellings first, so validation sees one shape.

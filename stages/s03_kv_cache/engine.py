@@ -18,9 +18,15 @@ from typing import Sequence
 import torch
 
 from s00_foundation.tokenizer import Tokenizer
-from s02_request_and_sampling.engine import GenerateOutput, PromptInput, check_not_stuck, make_output, make_reqs
+from s02_request_and_sampling.engine import (  # noqa: F401
+    GenerateOutput,
+    PromptInput,
+    append_sampled,
+    check_not_stuck,
+    make_output,
+    make_reqs,
+)
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample  # noqa: F401
 from s02_request_and_sampling.sampling_params import SamplingParams
 
 from .generate import extend  # noqa: F401

@@ -17,14 +17,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Literal, Sequence
 
 import torch
 
-from s02_request_and_sampling.engine import check_not_stuck
+from s02_request_and_sampling.engine import append_sampled, check_not_stuck  # noqa: F401
+from s02_request_and_sampling.logprobs import TokenLogprob
 from s02_request_and_sampling.req import FinishReason, Req, TimeStats
-from s02_request_and_sampling.sampler import sample  # noqa: F401
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.model_runner import ModelRunner
 
@@ -44,6 +44,7 @@ class TokenOutput:
     rid: Hashable
     new_token_ids: list[int]
     finish_reason: FinishReason | None  # None while the request goes on
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, if the request asked
 
 
 @dataclass
@@ -282,7 +283,9 @@ class Scheduler:
         now = self.clock()
         for req in sampled:
             req.time_stats.got_token(now, req.finished)
-        outputs = [TokenOutput(req.rid, req.output_ids[-1:], req.finished_reason) for req in sampled]
+        outputs = [
+            TokenOutput(req.rid, req.output_ids[-1:], req.finished_reason, req.output_logprobs[-1:]) for req in sampled
+        ]
         self.record_step(batch, prefill_tokens, retracted, outputs, (start, now))
         return outputs
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from s02_request_and_sampling.engine import check_not_stuck  # noqa: F401
+from s02_request_and_sampling.logprobs import TokenLogprob
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.allocator import pages_for  # noqa: F401
 from s05_continuous_batching.schedule_batch import ScheduleBatch
@@ -58,7 +59,7 @@ from s05_continuous_batching.scheduler import TokenOutput
 from s07_chunked_prefill.scheduler import ChunkedPrefillScheduler, prefill_pending
 
 from .future_map import FutureMap
-from .overlap_worker import OverlapWorker
+from .overlap_worker import ForwardResult, OverlapWorker
 
 FUTURES_PER_ROW = 4  # future ids alive at once per table row (two steps hold at most one each per request)
 TIMELINE_STEPS = 4096  # steps whose timings are kept (a server runs forever)
@@ -198,7 +199,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         launched, self.last = self.last, None
         result = launched.result.result()  # the one place the CPU waits for the device
         start = self.clock()
-        outputs = self.process_batch_result_overlap(launched, result.token_ids, next_batch)
+        outputs = self.process_batch_result_overlap(launched, result, next_batch)
         end = self.clock()
         self.timeline.append(
             StepTiming(
@@ -215,7 +216,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         return outputs
 
     def process_batch_result_overlap(
-        self, launched: LaunchedBatch, token_ids: list[int], next_batch: LaunchedBatch | None
+        self, launched: LaunchedBatch, result: ForwardResult, next_batch: LaunchedBatch | None
     ) -> list[TokenOutput]:
         """Step N's results, while step N+1 runs: the half-prefilled requests keep their chunk and
         wait for the next one (as in stage 7); each sampled request replaces its future id by its
@@ -228,7 +229,8 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.cache_unfinished_req(req)
             self.running.remove(req)
             self.chunked_req = req
-        outputs, got_token = self.process_sampled(launched, token_ids, next_batch)
+        outputs, got_token = self.process_sampled(launched, result.token_ids, next_batch)
+        self.attach_logprobs(launched.sampled, result.logprobs, outputs)
         self.share_prompts([req for req in launched.batch.prefill_reqs if req not in launched.chunked])
         now = self.clock()
         for req in got_token:
@@ -261,6 +263,19 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         raise NotImplementedError(
             "Stage 10: each future id becomes its token; release what ended, unless still in flight - see stages/s10_overlap_scheduling/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
         )
+
+    def attach_logprobs(
+        self, sampled: list[Req], logprobs: list[TokenLogprob | None], outputs: list[TokenOutput]
+    ) -> None:
+        """The log-probabilities the worker computed (entry i: ``sampled[i]``'s, None if it did not
+        ask) go with their tokens: to each request that kept its token, and to its TokenOutput.
+        A request that had already ended dropped its token, and drops this too."""
+        kept = {out.rid: out for out in outputs}
+        for req, logprob in zip(sampled, logprobs):
+            out = kept.get(req.rid)
+            if logprob is not None and out is not None:
+                req.output_logprobs.append(logprob)
+                out.new_logprobs.append(logprob)
 
     def drop_future(self, req: Req, future_id: int) -> None:
         """An ended request's token of the step in flight is discarded: if its future id is its

@@ -36,6 +36,10 @@ BAD = [
     ("seed", -1, "a negative seed"),
     ("seed", 1.5, "a fractional seed"),
     ("seed", 2**64, "a seed over 2**64 - 1 (torch's generator takes an unsigned 64-bit seed)"),
+    ("logprobs", -1, "a negative number of alternatives"),
+    ("logprobs", 21, "more than 20 alternatives"),
+    ("logprobs", True, "a bool (say how many alternatives: 0 for the token's own only)"),
+    ("logprobs", 2.0, "a float"),
 ]
 
 
@@ -63,6 +67,8 @@ GOOD: list[dict[str, Any]] = [
     dict(ignore_eos=True, seed=0),
     dict(seed=2**63),
     dict(seed=2**64 - 1),
+    dict(logprobs=0),
+    dict(logprobs=20),
 ]
 
 
@@ -81,6 +87,7 @@ def test_defaults_and_normalisation():
     default = SamplingParams()
     assert (default.temperature, default.top_k, default.top_p, default.min_p) == (1.0, -1, 1.0, 0.0)
     assert (default.stop, default.stop_token_ids, default.ignore_eos, default.seed) == ([], [], False, None)
+    assert default.logprobs is None, f"by default no log-probabilities are computed, got logprobs={default.logprobs!r}"
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ the same outputs as stage 2's engine."""
 
 from __future__ import annotations
 
-from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
+from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.engine import generate as stage2_generate
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -76,3 +76,17 @@ def test_seeded_sampling_equals_stage2(tiny_models_root):
             f"request {i}: finish reason {g.finish_reason}, stage 2 says {e.finish_reason}"
         )
         assert g.text == e.text, f"request {i}: text {g.text!r}, stage 2 says {e.text!r}"
+
+
+def test_logprobs_come_with_the_cached_steps(tiny_models_root):
+    """A request with logprobs=2 gets one entry per token from the cached engine too, equal to
+    transformers' (the logits of a cached step are the same distribution as a full recompute)."""
+    path = tiny_models_root / "qwen3"
+    model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
+    params = [
+        SamplingParams(temperature=0.9, max_new_tokens=7, ignore_eos=True, seed=2, logprobs=2),
+        SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+    ]
+    asked, not_asked = generate(model, tokenizer, PROMPTS[:2], params)
+    assert not_asked.logprobs is None, f"a request without logprobs gets logprobs=None, got {not_asked.logprobs!r}"
+    assert_logprobs_match(path, PROMPTS[0], asked, 2, "stage 3's engine, a sampled request with logprobs=2")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recording import PassRecorder
-from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
+from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
@@ -156,6 +156,26 @@ def test_seeded_sampling_per_request_equals_stage3(tiny_models_root):
         assert_same_tokens(g.output_ids, e.output_ids, f"request {i} ({params[i]}), vs stage 3", tok)
         assert g.finish_reason == e.finish_reason, (
             f"request {i}: finish reason {g.finish_reason}, stage 3 says {e.finish_reason}"
+        )
+
+
+def test_logprobs_in_a_static_batch(tiny_models_root):
+    """Each request of a static batch that asked gets its own tokens' logprobs (its own row of the
+    batch's logits), equal to transformers'; the one that did not ask gets None."""
+    path = tiny_models_root / "llama3"
+    tok, model = engine_tokenizer(str(path)), engine_model(str(path))
+    prompts = ["Hi", "Tell me a story", "x"]
+    params = [
+        SamplingParams(temperature=0.7, max_new_tokens=6, seed=11, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=4),
+    ]
+    engine = StaticBatchEngine(model, pool_size=256, page_size=4, max_running_requests=3)
+    got = engine.generate(tok, prompts, params)
+    assert got[1].logprobs is None, f"a request without logprobs gets logprobs=None, got {got[1].logprobs!r}"
+    for i in (0, 2):
+        assert_logprobs_match(
+            path, tok.encode_prompt(prompts[i]), got[i], params[i].logprobs, f"request {i} of a static batch of 3"
         )
 
 

@@ -4,8 +4,8 @@ if it ran alone."""
 
 from __future__ import annotations
 
-from continuous_helpers import assert_pool_free, tiny_engine
-from reference import assert_same_tokens, engine_model, engine_tokenizer
+from continuous_helpers import assert_pool_free, retraction_workload, tiny_engine
+from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
 
@@ -56,3 +56,26 @@ def test_requests_with_different_sampling_params_each_follow_their_own(tiny_mode
     [solo] = alone.generate([prompts[2]], params[2])
     assert_same_tokens(solo.output_ids, got[2].output_ids, "seeded request 2 alone vs in the batch", tok)
     assert_pool_free(engine, "mixed sampling params")
+
+
+def test_logprobs_follow_each_request_through_retraction(tiny_models_root):
+    """Requests that asked for logprobs, in a batch that keeps changing and under a pool so small
+    that some are retracted and recomputed: each gets exactly one entry per output token (a
+    recomputed prefill samples nothing new), equal to transformers', and the others get None."""
+    path = tiny_models_root / "llama3"
+    prompts, limits = retraction_workload()
+    engine, _, _ = tiny_engine(path, pool_size=128, max_running_requests=8, new_token_ratio=0.0)
+    params = [
+        SamplingParams(temperature=0.8 if i % 3 else 0, max_new_tokens=n, ignore_eos=True, seed=i, logprobs=i % 4)
+        if i % 2 == 0
+        else SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+        for i, n in enumerate(limits)
+    ]
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.stats.num_retractions > 0, "the workload should retract some requests (pool of 128 slots)"
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if params[i].logprobs is None:
+            assert out.logprobs is None, f"request {i} did not ask for logprobs, yet got {out.logprobs!r}"
+        else:
+            assert_logprobs_match(path, prompt, out, params[i].logprobs, f"request {i} of a retracting batch")
+    assert_pool_free(engine, "after a retracting batch with logprobs")

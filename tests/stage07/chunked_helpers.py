@@ -9,7 +9,7 @@ import random
 
 import torch
 
-import s05_continuous_batching.scheduler as stage5_scheduler
+import s02_request_and_sampling.engine as stage2_engine  # append_sampled: where every scheduler samples
 from invariants import check_all, check_chunked_req_not_running, watch_evict
 from recording import PassRecorder
 from reference import engine_model, engine_tokenizer
@@ -53,7 +53,7 @@ def random_prompt(length: int, seed: int) -> list[int]:
 def sampling_spy(what: str):
     """Wrap the sampler the scheduler calls: fail if a request is sampled before its whole
     prompt (fill_ids) has been computed. Yields the list of sampled request ids, in order."""
-    sampled, real_sample = [], stage5_scheduler.sample
+    sampled, real_sample = [], stage2_engine.sample
 
     def spy(logits, reqs):
         for req in reqs:
@@ -64,11 +64,11 @@ def sampling_spy(what: str):
             sampled.append(req.rid)
         return real_sample(logits, reqs)
 
-    stage5_scheduler.sample = spy
+    stage2_engine.sample = spy
     try:
         yield sampled
     finally:
-        stage5_scheduler.sample = real_sample
+        stage2_engine.sample = real_sample
 
 
 def run_checked(engine, prompts, params, what: str, max_steps: int = 20_000):

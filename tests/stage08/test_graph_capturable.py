@@ -56,7 +56,7 @@ HOST_READS_PER_DECODE_STEP = [
     # The sampled tokens come back to the host: the scheduler appends them, checks stop
     # conditions and streams them. The one wait a step cannot avoid (stage 10's overlap
     # scheduling hides it behind the next step's preparation).
-    ("Tensor.tolist()", "s05_continuous_batching/scheduler.py in process_batch_result"),
+    ("Tensor.tolist()", "s02_request_and_sampling/engine.py in append_sampled"),
 ]
 COPIES_PER_DECODE_STEP = [
     # Both from pinned memory with non_blocking=True (s00 device.host_to_device): queued, not waited for.

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, random_prompt, run_checked
-from reference import assert_same_tokens, hf_greedy
+from reference import assert_logprobs_match, assert_same_tokens, hf_greedy
 from s00_foundation.device import physical_cores
 from s02_request_and_sampling.sampling_params import SamplingParams
+from s05_continuous_batching.engine import request_output
 from s10_overlap_scheduling.engine import overlap_by_default
 
 
@@ -120,3 +121,39 @@ def test_overlap_is_on_by_default_only_where_the_scheduler_has_a_core(tiny_model
                 assert_same_tokens(req.output_ids, hf_greedy(path, prompt, n), f"{what}: request {i} vs transformers")
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_logprobs_arrive_with_their_tokens(tiny_models_root, disable_overlap):
+    """The worker computes the logprobs where the logits are; the scheduler hands each one out with
+    its token: every streamed step's entries name exactly its new tokens, a request that ended while
+    the next step was in flight gains no entry for the dropped token, and the entries equal
+    transformers'."""
+    path = tiny_models_root / "llama3"
+    engine = engine_on(path, disable_overlap=disable_overlap, pool_size=512)
+    prompts = [random_prompt(n, seed=n) for n in (3, 9, 17, 5, 30, 12)]
+    params = [
+        SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_new_tokens=1 + i, ignore_eos=True, logprobs=i % 3)
+        if i != 3
+        else greedy(6)
+        for i in range(len(prompts))
+    ]
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    streamed: dict = {req.rid: [] for req in reqs}
+    with torch.inference_mode():
+        while engine.has_work:
+            for out in engine.step():
+                asked = next(r for r in reqs if r.rid == out.rid).sampling_params.logprobs is not None
+                got = [e.token_id for e in out.new_logprobs]
+                assert got == (list(out.new_token_ids) if asked else []), (
+                    f"request {out.rid}: a step streamed tokens {out.new_token_ids} with logprob entries for {got}; "
+                    + ("each new token comes with its entry" if asked else "it did not ask for logprobs")
+                )
+                streamed[out.rid] += out.new_logprobs
+    for i, req in enumerate(reqs):
+        if params[i].logprobs is None:
+            assert req.output_logprobs == [], f"request {i} did not ask, yet holds {req.output_logprobs}"
+            continue
+        assert streamed[req.rid] == req.output_logprobs, f"request {i}: the streamed entries differ from what it holds"
+        out = request_output(req)
+        assert_logprobs_match(path, prompts[i], out, params[i].logprobs, f"request {i} (overlap {not disable_overlap})")

@@ -11,13 +11,14 @@ back and changes nothing; an abort frees the grammar."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from invariants import check_all
-from reference import hf_model
+from reference import assert_logprobs_match, hf_model
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s11_structured_output.grammar_backend import GrammarBackend
 from s11_structured_output.sampling_params import GrammarKey, canonical_schema
@@ -236,3 +237,25 @@ def test_abort_frees_the_grammar(tiny_llama):
             f"got {req.finished_reason}, grammar {req.grammar}"
         )
     check_all(engine, "after aborts")
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_logprobs_are_the_models_own_before_the_mask(tiny_llama, disable_overlap):
+    """A constrained request's logprobs describe the model's distribution, not the masked one: they
+    equal transformers' unmasked log_softmax, so a token the grammar forced shows how unlikely the
+    model found it (the mask works on a copy of the logits, after the logprobs are read)."""
+    engine = engine_on(tiny_llama, disable_overlap=disable_overlap, pool_size=2048)
+    prompts = [[40, 50, 60], [70, 33], [90, 91, 92]]
+    params = [
+        replace(constrained("json", SCHEMAS["flat"]), logprobs=2),
+        replace(constrained("regex", REGEXES[1], temperature=1.0, seed=5), logprobs=1),
+        SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=0),
+    ]
+    outputs = engine.generate(prompts, params)
+    steered = 0
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert_logprobs_match(tiny_llama, prompt, out, params[i].logprobs, f"request {i} of a mixed constrained batch")
+        steered += sum(bool(e.top) and e.top[0][0] != e.token_id for e in out.logprobs or [])
+    assert_follows(outputs[0].text, outputs[0].finish_reason, "json", SCHEMAS["flat"], "the flat schema")
+    assert steered > 0, "the grammar forced no token away from the model's own choice: the test shows nothing"
+    check_all(engine, "after a constrained batch with logprobs")

@@ -10,10 +10,13 @@ Stage 11's grammars still hold: rank 0 masks the gathered logits."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, sampled
+
+from reference import assert_logprobs_match
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
 
@@ -115,6 +118,15 @@ def test_rank_0_samples_from_the_whole_vocabulary_and_nothing_more(tp2, monkeypa
         f"{path.name}: rank 0 sampled from logits of shapes {seen}; the gathered logits must cover exactly the "
         f"vocabulary ({vocab}): every rank's slice, in rank order, without the padding rows past the vocabulary"
     )
+
+
+def test_logprobs_under_tp_are_the_whole_vocabularys(tp2):
+    """Rank 0 takes the log-probabilities from the gathered logits: a log_softmax over every rank's
+    slice of the vocabulary, equal to transformers' on one device."""
+    path, engine = tp2
+    params = [replace(sampled(6, seed=40 + i), logprobs=2) for i in range(2)]
+    for i, out in enumerate(engine.generate(PROMPTS[:2], params)):
+        assert_logprobs_match(path, PROMPTS[i], out, 2, f"{path.name}, tp=2, request {i}")
 
 
 def test_a_grammar_is_followed_under_tp(tp2):

@@ -1,0 +1,50 @@
+"""Log-probabilities: how likely the model found each token it produced, and its alternatives.
+
+A client that asks for ``SamplingParams(logprobs=k)`` gets, for every output token, a
+``TokenLogprob``: the token's log-probability and the ``k`` most likely tokens at that position
+with theirs. That is how a caller scores an answer, spots where the model was guessing, or ranks
+candidate continuations (OpenAI's ``logprobs`` / ``top_logprobs``).
+
+Which distribution: the model's own, ``log_softmax`` of the raw logits, before the temperature,
+top-k / top-p / min-p or a grammar's mask (stage 11) reshaped it. So a token's log-probability is
+the same whichever settings picked it, a greedy and a sampled run agree wherever they chose the
+same token, and a token a grammar forced shows how far it was from the model's own choice. It is
+what transformers' ``output_logits`` give and vLLM's default ("raw" logprobs); engines that report
+the processed distribution instead say so just as explicitly.
+
+Only the rows that asked pay: one ``log_softmax`` over them ([R, V], in float32: bfloat16 would
+round the small probabilities away), a gather at the sampled ids and one ``topk``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # only types: req.py imports this module
+    from .req import Req
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token: its id, its log-probability, and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float  # log p(token | everything before it), <= 0
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the k likeliest, most likely first
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], reqs: Sequence[Req]
+) -> list[TokenLogprob | None]:
+    """Entry i: ``token_ids[i]``'s TokenLogprob under row i of ``logits`` ([B, V], raw), with the
+    ``reqs[i].sampling_params.logprobs`` likeliest tokens; None for a request that did not ask."""
+    out: list[TokenLogprob | None] = [None] * len(reqs)
+    rows = [i for i, req in enumerate(reqs) if req.sampling_params.logprobs is not None]
+    if not rows:  # nobody asked: nothing is computed
+        return out
+    raise NotImplementedError(
+        "Stage 2: each asking row's log_softmax, its sampled token's entry, its top k - see stages/s02_request_and_sampling/README.md#log-probabilities-how-sure-the-model-was"  # noqa: E501 (one message, the learner's to read whole)
+    )
