@@ -1057,6 +1057,13 @@ MUTANTS: list[Mutant] = [
         r"max_completion_tokens|max_tokens",
     ),
     Mutant(
+        "s09-logprobs-not-passed",
+        "s09_zmq_serving/protocol.py",
+        "the request's logprobs (chat: logprobs + top_logprobs, completions: logprobs) become SamplingParams.logprobs",
+        edit("            logprobs=logprobs,\n", ""),
+        r"SamplingParams.logprobs",
+    ),
+    Mutant(
         "s09-error-names-no-param",
         "s09_zmq_serving/protocol.py",
         "an invalid sampling field is refused with an error whose `param` names that field",

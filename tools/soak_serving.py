@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import socket
@@ -118,6 +119,7 @@ FIELDS = [
     "ignore_eos",
     "n",
     "logprobs",
+    "top_logprobs",
     "user",
     "response_format",
     "presence_penalty",
@@ -125,6 +127,8 @@ FIELDS = [
     "not_a_field",
 ]
 PROMPTS = ["Hi", "Tell me a story.", "héllo wörld ☃ 中文", "1 + 1 =", "a\nb\n\nc"]
+# what /debug/state counts of the requests the detokenizer still keeps (0 for all once idle)
+DETOKENIZER_KEEPS = ("detokenizer_requests", "detokenizer_logprob_streams", "detokenizer_failed")
 BUSY = {503, 504}  # an overloaded server (many clients at once), a request past --request-timeout
 KINDS = {"good": 0.35, "structured": 0.12, "malformed": 0.28, "huge": 0.07, "disconnect": 0.18}  # of the threads
 # The grammars of structured clients: small enough that most answers end by themselves in 24 tokens
@@ -166,6 +170,8 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
         body["prompt"] = (
             rng.choice(PROMPTS) if rng.random() < 0.8 else [rng.randrange(0, 200) for _ in range(rng.randint(1, 8))]
         )
+    if rng.random() < 0.3:  # log-probabilities, as each API spells them
+        body.update({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if chat else {"logprobs": rng.randint(0, 5)})
     if rng.random() < 0.5:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -283,17 +289,61 @@ def answer_problems(path: str, body: dict | None, answer: requests.Response, all
     return [] if ok else [f"a malformed OpenAI answer: {raw[:300]!r}"]
 
 
+def answer_choices(answer: requests.Response) -> list[dict]:
+    """A 200 answer's choices: the one of a whole answer, or every chunk's, in order."""
+    if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+        return answer.json()["choices"]
+    return [
+        choice
+        for line in answer.content.split(b"\n")
+        if line.startswith(b"data: {")
+        for choice in json.loads(line[len(b"data: ") :]).get("choices", [])
+    ]
+
+
+def token_bytes(token: str) -> bytes:
+    """A completions API token's bytes: its text, or the bytes spelled out ("bytes:\\xc3")."""
+    if token.startswith("bytes:"):
+        return bytes(int(token[i + 2 : i + 4], 16) for i in range(len("bytes:"), len(token), 4))
+    return token.encode()
+
+
+def logprob_problems(chat: bool, body: dict, choices: list[dict], text: str) -> list[str]:
+    """An answer that asked for log-probabilities: its entries' bytes joined spell its text, every
+    logprob is a finite number <= 0, and each entry has the number of alternatives asked for."""
+    k = body["top_logprobs"] if chat else body["logprobs"]
+    shown = [choice.get("logprobs") for choice in choices]
+    if any(not isinstance(s, dict) for s in shown if s is not None) or all(s is None for s in shown):
+        return [f"asked for logprobs, got {str(shown)[:200]}"]
+    data, values, tops = b"", [], []
+    for s in filter(None, shown):
+        if chat:
+            data += b"".join(bytes(e["bytes"]) for e in s["content"])
+            values += [e["logprob"] for e in s["content"]]
+            tops += [len(e["top_logprobs"]) for e in s["content"]]
+        else:
+            data += b"".join(map(token_bytes, s["tokens"]))
+            values += s["token_logprobs"]
+            tops += [len(top) for top in s["top_logprobs"]]
+    problems = []
+    if data.decode("utf-8", "replace") != text:
+        problems.append(f"the entries' bytes spell {data[:80]!r}, the text is {text[:80]!r}")
+    if not all(isinstance(v, float) and math.isfinite(v) and v <= 0 for v in values):
+        problems.append(f"a logprob that is not a finite number <= 0: {values[:10]}")
+    if any(n > k or (chat and n != k) for n in tops):  # (a completion's {token: logprob} may merge equal texts)
+        problems.append(f"asked for {k} alternatives per token, got {tops[:10]}")
+    return problems
+
+
 def answer_text(path: str, answer: requests.Response) -> tuple[str, str | None]:
     """A 200 answer's whole text and finish reason, streamed or not."""
-    if not answer.headers.get("content-type", "").startswith("text/event-stream"):
-        choice = answer.json()["choices"][0]
-        return (choice["message"]["content"] if path == CHAT else choice["text"]), choice["finish_reason"]
     text, finish = "", None
-    for line in answer.content.split(b"\n"):
-        if line.startswith(b"data: {"):
-            for choice in json.loads(line[len(b"data: ") :]).get("choices", []):
-                text += (choice["delta"].get("content") or "") if path == CHAT else choice["text"]
-                finish = choice["finish_reason"] or finish
+    for choice in answer_choices(answer):
+        if path != CHAT:
+            text += choice["text"]
+        else:
+            text += (choice["message"] if "message" in choice else choice["delta"]).get("content") or ""
+        finish = choice["finish_reason"] or finish
     return text, finish
 
 
@@ -348,7 +398,12 @@ class Soak:
         body = good_body(rng, self.model, rng.random() < 0.5)
         path = CHAT if "messages" in body else COMPLETIONS
         answer = self.post(path, json.dumps(body).encode())
-        self.record("good", str(answer.status_code), answer_problems(path, body, answer, {200, *BUSY}))
+        problems, outcome = answer_problems(path, body, answer, {200, *BUSY}), str(answer.status_code)
+        if not problems and answer.status_code == 200 and "logprobs" in body:
+            text, _ = answer_text(path, answer)
+            problems = logprob_problems(path == CHAT, body, answer_choices(answer), text)
+            outcome = "200, logprobs checked against the text"
+        self.record("good", outcome, problems)
 
     def structured(self, rng: random.Random) -> None:
         chat = rng.random() < 0.5
@@ -513,10 +568,11 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
     print(f"problems (neither a well-formed OpenAI answer nor its error body, or a 5xx): {len(runner.problems)}")
     for problem in runner.problems[:10]:
         print(f"  {problem}")
+    detokenizer_kept = sum(after[key] for key in DETOKENIZER_KEEPS)
     print(
         f"leaked KV slots: {leaked} (pool {after['pool_size']}, free {after['free_slots']}, radix tree "
         f"{after['tree_cached_tokens']}); requests still kept: scheduler {after['tracked_requests']}, detokenizer "
-        f"{after['detokenizer_requests'] + after['detokenizer_failed']}, API server {after['open_requests']}; "
+        f"{detokenizer_kept}, API server {after['open_requests']}; "
         f"invariants: {after['invariants']}"
     )
     print("resident memory (MiB)    before    after")
@@ -528,7 +584,7 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
         not runner.problems
         and leaked == 0
         and after["invariants"] == "ok"
-        and after["tracked_requests"] == after["detokenizer_requests"] == after["detokenizer_failed"] == 0
+        and after["tracked_requests"] == detokenizer_kept == 0
         and after["open_requests"] == 0
         and health.status_code == 200
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence, Union
 
 from transformers import AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from .loader import resolve_model_path
 
@@ -34,6 +35,11 @@ class Tokenizer:
         special = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
         controls = sorted(special, key=len, reverse=True)
         self.control_tokens = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
+        # A byte-level vocabulary (GPT-2's, SmolLM2's, Qwen's, Llama 3's) spells each byte as one
+        # printable character; this maps them back (token_pieces). None: the vocabulary is not byte-level.
+        byte_level = type(self.hf.backend_tokenizer.decoder).__name__ == "ByteLevel"
+        self.byte_of_char = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
+        self.pieces: dict[int, tuple[str, bytes]] = {}  # token_pieces' answers so far (at most the vocabulary)
 
     @property
     def is_chat(self) -> bool:
@@ -107,6 +113,28 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, bytes]]:
+        """Each token's own text and the exact bytes it stands for (what a log-probability names).
+
+        One token may hold part of a UTF-8 character ("é" is two tokens in a byte-level
+        vocabulary): its text then shows U+FFFD, its bytes are exact, and the bytes of consecutive
+        tokens joined are the output's text. A control token is its own text ("<|im_end|>"); an id
+        past the tokenizer (a vocabulary padded for the GPU) is ("", b"")."""
+        missing = [t for t in dict.fromkeys(ids) if t not in self.pieces]
+        for token_id, raw in zip(missing, self.hf.convert_ids_to_tokens(missing)):
+            if raw is None:
+                data = b""
+            elif (
+                self.byte_of_char is not None
+                and raw not in self.hf.added_tokens_encoder
+                and all(c in self.byte_of_char for c in raw)
+            ):
+                data = bytes(self.byte_of_char[c] for c in raw)
+            else:
+                data = self.hf.decode([token_id], skip_special_tokens=False).encode()
+            self.pieces[token_id] = (data.decode("utf-8", errors="replace"), data)
+        return [self.pieces[t] for t in ids]
 
 
 def marker_tag() -> str:

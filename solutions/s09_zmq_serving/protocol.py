@@ -11,10 +11,13 @@ What a field means, and what this server does with it:
     stop                       a string or a list of strings, trimmed from the text
     stream stream_options      SSE chunks; include_usage adds a last chunk with the counts
     name (of a message)        passed to the chat template; refused if the template drops it
+    logprobs top_logprobs      chat: logprobs true, top_logprobs 0..20; completions: logprobs 0..5;
+                               each output token's log-probability under the model's own
+                               distribution (stage 2's logprobs.py), in OpenAI's two shapes
 
-A field that would change the result and that this server does not do (n > 1, logprobs, tools,
-penalties, logit_bias, ...) is rejected with a 400 naming it, never silently ignored; a field
-nobody knows is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
+A field that would change the result and that this server does not do (n > 1, tools, penalties,
+logit_bias, ...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
+is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
 
 Every field has explicit bounds (``check_limits``; the table is in the README): a string must be
 encodable as UTF-8 (JSON allows a lone surrogate such as "\\ud800"; a tokenizer does not), an
@@ -33,7 +36,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
-from s02_request_and_sampling.sampling_params import MAX_SEED, SamplingParams
+from s02_request_and_sampling.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+
+from .io_struct import LogprobEntry
 
 Number = Union[float, int]  # strict mode: a JSON integer is a valid float, a string is not
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a model's, a user's, a part's type
@@ -41,6 +46,7 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a mode
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longer lists
 MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
 MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (OpenAI's limit; chat's top_logprobs go to 20)
 # An error message longer than this is cut: a malformed 400 KB regex once came back as a 1.6 MB
 # error, quoted four times by the grammar library
 MAX_ERROR_CHARS = 2000
@@ -153,8 +159,6 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
             request.stream_options is not None and not request.stream,
             "stream_options is only allowed with stream: true",
         ),
-        ("logprobs", request.logprobs not in (None, False, 0), "logprobs are not supported by this server"),
-        ("top_logprobs", request.top_logprobs not in (None, 0), "top_logprobs are not supported by this server"),
         ("logit_bias", bool(request.logit_bias), "logit_bias is not supported by this server"),
         (
             "presence_penalty",
@@ -333,6 +337,37 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     return None, list(prompt)
 
 
+def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many alternatives per token the request asks for (SamplingParams.logprobs), None if it
+    asks for no log-probabilities. The two APIs spell it differently: a chat sends ``logprobs:
+    true`` and ``top_logprobs: k`` (0..20), a completion ``logprobs: k`` (0..5)."""
+    logprobs, top = request.logprobs, request.top_logprobs
+    if isinstance(request, ChatCompletionRequest):
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise InvalidRequest(f"logprobs must be true or false, got {logprobs!r:.40}", param="logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+        if not logprobs:
+            if top not in (None, 0):
+                raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return top or 0
+    if top is not None:
+        raise InvalidRequest(
+            f"top_logprobs is a chat field; a completion asks with logprobs: 0..{MAX_COMPLETION_LOGPROBS}",
+            param="top_logprobs",
+        )
+    if logprobs is None:
+        return None
+    if type(logprobs) is not int or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:  # (a bool is an int to Python)
+        raise InvalidRequest(
+            f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (the alternatives per token), "
+            f"got {logprobs!r:.40}",
+            param="logprobs",
+        )
+    return logprobs
+
+
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:
     """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
     it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
@@ -349,6 +384,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
         max_tokens = other
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    logprobs = requested_logprobs(request)  # (raises InvalidRequest itself: the two APIs name it differently)
     given: dict[str, Any] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -361,6 +397,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
         params = SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else 1,
             ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
             **{name: value for name, value in given.items() if value is not None},
         )
     except ValueError as error:  # SamplingParams' messages start with the field's name
@@ -385,44 +422,83 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def chat_completion(
-    rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-) -> dict:
+def chat_logprobs(entries: list[LogprobEntry]) -> dict:
+    """Chat's shape: one object per token, its alternatives inside it, bytes as integers."""
+
+    def one(token: str, data: bytes, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(data)}
+
     return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+        "content": [
+            {**one(e.token, e.token_bytes, e.logprob), "top_logprobs": [one(*alt) for alt in e.top]} for e in entries
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "refusal": None,
     }
 
 
-def completion(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def completion_token(data: bytes) -> str:
+    """A token as the completions API names it: its text, or, for a token that is not whole UTF-8
+    (half of "é"), its bytes spelled out as "bytes:\\xc3" (OpenAI's spelling: that API has no
+    bytes field, and two halves of characters would otherwise both read U+FFFD)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def completion_logprobs(entries: list[LogprobEntry]) -> dict:
+    """The completions API's shape: parallel lists, and the alternatives as {token: logprob}."""
+    return {
+        "tokens": [completion_token(e.token_bytes) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{completion_token(data): value for _, data, value in e.top} for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def whole_answer(
+    kind: str,
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    counts: tuple[int, int],
+    logprobs: list[LogprobEntry] | None = None,
+) -> dict:
+    """A whole (not streamed) answer of ``kind``, "chat" or "completion"; ``counts``: its prompt
+    and completion tokens; ``logprobs``: its tokens' entries, None if the request did not ask."""
+    choice: dict[str, Any]
+    if kind == "chat":
+        shown = None if logprobs is None else chat_logprobs(logprobs)
+        obj, choice = "chat.completion", {"message": {"role": "assistant", "content": text}, "logprobs": shown}
+    else:
+        shown = None if logprobs is None else completion_logprobs(logprobs)
+        obj, choice = "text_completion", {"text": text, "logprobs": shown}
     return {
         "id": rid,
-        "object": "text_completion",
+        "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "choices": [{"index": 0, **choice, "finish_reason": finish_reason}],
+        "usage": usage(*counts),
     }
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None, usage_: dict | None = None
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict | None,
+    finish_reason: str | None = None,
+    usage_: dict | None = None,
+    logprobs: list[LogprobEntry] | None = None,
 ) -> dict:
-    """One SSE chunk of a streamed chat; ``delta=None`` makes the usage-only chunk (no choices)."""
+    """One SSE chunk of a streamed chat; ``delta=None`` makes the usage-only chunk (no choices);
+    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask)."""
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    shown = None if logprobs is None else chat_logprobs(logprobs)
     chunk["choices"] = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}]
     )
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -430,12 +506,20 @@ def chat_chunk(
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None, usage_: dict | None = None
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage_: dict | None = None,
+    logprobs: list[LogprobEntry] | None = None,
 ) -> dict:
-    """One SSE chunk of a streamed completion; ``text=None`` makes the usage-only chunk."""
+    """One SSE chunk of a streamed completion; ``text=None`` makes the usage-only chunk;
+    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask)."""
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    shown = None if logprobs is None else completion_logprobs(logprobs)
     chunk["choices"] = (
-        [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        [] if text is None else [{"index": 0, "text": text, "logprobs": shown, "finish_reason": finish_reason}]
     )
     if usage_ is not None:
         chunk["usage"] = usage_

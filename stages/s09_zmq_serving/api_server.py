@@ -33,24 +33,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .engine_client import ClientGone, EngineClient, OutputPiece, rejection
 from .http_errors import OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
-from .io_struct import DebugFaultReq, DebugStateReq, ErrorOut, GenerateReqInput
+from .io_struct import DebugFaultReq, DebugStateReq, ErrorOut, GenerateReqInput, LogprobEntry
 from .protocol import (  # noqa: F401
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
     Limits,
     chat_chunk,
-    chat_completion,
     chat_messages,
     check_limits,
     check_supported,
-    completion,
     completion_chunk,
     completion_prompt,
     error_body,
     new_id,
     to_sampling_params,
     usage,
+    whole_answer,
 )
 from .request_guard import RequestGuard
 from .server_args import ServerArgs
@@ -164,6 +163,7 @@ class OpenAIServing:
         """Send ``req`` on and answer with what comes back: the whole answer, or a stream."""
         client = self.client
         assert client is not None, "the app has not started"
+        asked = req.sampling_params.logprobs is not None
         timeout = self.server_args.request_timeout
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         queue = client.open(req.rid, self.max_in_flight)
@@ -176,10 +176,11 @@ class OpenAIServing:
                 raise rejection(first, kind)
             if not stream:
                 pieces = [out async for out in client.outputs(req.rid, queue, first, request, deadline)]
-                make = chat_completion if kind == "chat" else completion
                 last = pieces[-1]
                 text = "".join(out.text for out in pieces)
-                return make(req.rid, model, text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+                logprobs = [entry for out in pieces for entry in out.logprobs] if asked else None
+                counts = (last.prompt_tokens, last.completion_tokens)
+                return whole_answer(kind, req.rid, model, text, last.finish_reason, counts, logprobs)
         except ClientGone:
             client.abort(req.rid)
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
@@ -191,25 +192,45 @@ class OpenAIServing:
             raise
         # During a stream Starlette itself notices a client that leaves: it cancels the body.
         outputs = client.outputs(req.rid, queue, first, None, deadline)
-        events = self.events(req.rid, outputs, include_usage, model, kind)
+        events = self.events(req.rid, outputs, include_usage, model, kind, asked)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(
-        self, rid: str, outputs: AsyncIterator[OutputPiece], include_usage: bool, model: str, kind: str
+        self,
+        rid: str,
+        outputs: AsyncIterator[OutputPiece],
+        include_usage: bool,
+        model: str,
+        kind: str,
+        asked: bool,
     ) -> AsyncIterator[str]:
-        """A streamed answer's SSE lines, in OpenAI's chunks for ``kind`` ("chat" or "completion")."""
+        """A streamed answer's SSE lines, in OpenAI's chunks for ``kind`` ("chat" or "completion");
+        ``asked``: the request wants log-probabilities, each chunk carries its tokens' entries."""
         created = int(time.time())
+        # stream_chunks builds a piece's chunks before it reads the next piece, so the entries of
+        # the pieces read so far are the ones the next text (or last) chunk carries. A piece with
+        # entries but no text (a token whose text is empty) passes them on to the next chunk.
+        unsent: list[LogprobEntry] = []
+
+        async def noting_logprobs(pieces: AsyncIterator[OutputPiece]) -> AsyncIterator[OutputPiece]:
+            async for piece in pieces:
+                unsent.extend(piece.logprobs)
+                yield piece
 
         def make_chunk(text, finish_reason, usage_):
+            logprobs = None
+            if asked and text is not None:
+                logprobs = unsent[:]
+                unsent.clear()
             if kind == "chat":
                 delta = None if text is None else ({"content": text} if text else {})
-                return chat_chunk(rid, model, created, delta, finish_reason, usage_)
-            return completion_chunk(rid, model, created, text, finish_reason, usage_)
+                return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs)
+            return completion_chunk(rid, model, created, text, finish_reason, usage_, logprobs)
 
         try:
             if kind == "chat":  # OpenAI's first chunk names the role
                 yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-            async for line in stream_chunks(outputs, make_chunk, include_usage):
+            async for line in stream_chunks(noting_logprobs(outputs), make_chunk, include_usage):
                 yield line
         # Cut short (a worker's error, the server stopping, the time limit): a last event with
         # OpenAI's error body, and the stream still ends properly, so a client knows.

@@ -31,7 +31,8 @@ from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.detokenizer import Decoder, IncrementalDetokenizer
 from s02_request_and_sampling.req import FinishReason, find_stop_str  # noqa: F401
 
-from .io_struct import BatchStrOut, BatchTokenIDOut, DebugFaultReq, DebugStateOut, ErrorOut
+from .io_struct import BatchStrOut, BatchTokenIDOut, DebugFaultReq, DebugStateOut, ErrorOut, LogprobEntry
+from .logprob_stream import LogprobStream
 from .worker_loop import Fault, serve_messages
 
 logger = logging.getLogger(__name__)
@@ -79,14 +80,15 @@ class DetokenizerManager:
     forgotten; the others of the same step are not affected, and its later token ids (until the
     API server's abort reaches the scheduler) are dropped."""
 
-    def __init__(self, tokenizer: Decoder):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.decode_status: dict[str, DecodeStatus] = {}
+        self.logprob_streams: dict[str, LogprobStream] = {}  # the requests that asked for log-probabilities
         self.failed: set[str] = set()  # rids answered with an error while the scheduler may still run them
         self.fault = Fault()
 
     def handle_batch_token_id_out(self, batch: BatchTokenIDOut) -> tuple[BatchStrOut, list[ErrorOut]]:
-        out, errors = BatchStrOut([], [], [], [], []), []
+        out, errors = BatchStrOut([], [], [], [], [], []), []
         for i, rid in enumerate(batch.rids):
             reason = batch.finish_reasons[i]
             if rid in self.failed:
@@ -94,43 +96,57 @@ class DetokenizerManager:
                     self.failed.discard(rid)  # it ended in the scheduler too: nothing more will come
                 continue
             try:
-                text = self.step_request(rid, batch, i)
+                text, logprobs = self.step_request(rid, batch, i)
             except Exception as error:
                 logger.exception("decoding request %s failed; it gets an error, the others go on", rid)
-                self.decode_status.pop(rid, None)
+                self.forget(rid)
                 if reason is None:
                     self.failed.add(rid)
                 errors.append(ErrorOut.internal(rid, error, "the detokenizer failed on this request"))
                 continue
             if reason is not None:
-                del self.decode_status[rid]  # over: forget it
-            if text or reason is not None:
+                self.forget(rid)  # over
+            if text or logprobs or reason is not None:
                 out.rids.append(rid)
                 out.texts.append(text)
+                out.logprobs.append(logprobs)
                 out.finish_reasons.append(None if reason is None else reason.type)
                 out.prompt_tokens.append(batch.prompt_tokens[i])
                 out.completion_tokens.append(batch.completion_tokens[i])
         return out, errors
 
-    def step_request(self, rid: str, batch: BatchTokenIDOut, i: int) -> str:
-        """Entry ``i`` of the batch through its request's DecodeStatus: the text to send now."""
+    def step_request(self, rid: str, batch: BatchTokenIDOut, i: int) -> tuple[str, list[LogprobEntry]]:
+        """Entry ``i`` of the batch through its request's DecodeStatus (and, if it asked for
+        log-probabilities, its LogprobStream): the text and the entries to send now."""
         status = self.decode_status.get(rid)
         if status is None:
             status = self.decode_status[rid] = DecodeStatus(self.tokenizer, batch.stops[i])
         reason = batch.finish_reasons[i]
         if reason is not None and reason.type == "abort":
-            return ""
+            return "", []
         self.fault.fire()
-        return status.step(batch.new_token_ids[i], reason)
+        new_ids, logprobs = batch.new_token_ids[i], batch.new_logprobs[i]
+        stream = self.logprob_streams.get(rid)
+        if stream is None and logprobs:  # its first token: the request asked
+            stream = self.logprob_streams[rid] = LogprobStream(self.tokenizer)
+        if stream is None:
+            return status.step(new_ids, reason), []
+        return stream.step(status, new_ids, logprobs, reason)
 
     def forget(self, rid: str) -> None:
-        """The request ended in an error elsewhere (the scheduler's ErrorOut passes through here)."""
+        """The request is over, or ended in an error elsewhere (the scheduler's ErrorOut passes
+        through here): drop what this process holds for it."""
         self.decode_status.pop(rid, None)
+        self.logprob_streams.pop(rid, None)
 
     def debug_state(self) -> dict[str, int]:
         """What this process holds per request, for /debug/state: with nothing running both are 0,
         else a request ended without its end reaching here (its text would be kept forever)."""
-        return {"detokenizer_requests": len(self.decode_status), "detokenizer_failed": len(self.failed)}
+        return {
+            "detokenizer_requests": len(self.decode_status),
+            "detokenizer_logprob_streams": len(self.logprob_streams),
+            "detokenizer_failed": len(self.failed),
+        }
 
 
 def run_detokenizer_process(server_args, ipc, ready, heartbeats) -> None:

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from fastapi import Request
 
-from .io_struct import AbortReq, BatchStrOut, DebugStateOut, ErrorOut
+from .io_struct import AbortReq, BatchStrOut, DebugStateOut, ErrorOut, LogprobEntry
 from .protocol import InvalidRequest
 
 DISCONNECT_POLL_S = 0.2  # while a request waits for its answer, look this often whether its client left
@@ -39,6 +39,7 @@ class OutputPiece:
     finish_reason: str | None  # "stop" / "length" on the last piece
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[LogprobEntry]  # the entries of this piece's tokens (a request that asked for them)
 
 
 def rejection(error: ErrorOut, kind: str = "completion") -> InvalidRequest:
@@ -85,7 +86,11 @@ class EngineClient:
                     if queue is not None:
                         queue.put_nowait(
                             OutputPiece(
-                                message.texts[i], finish, message.prompt_tokens[i], message.completion_tokens[i]
+                                message.texts[i],
+                                finish,
+                                message.prompt_tokens[i],
+                                message.completion_tokens[i],
+                                message.logprobs[i],
                             )
                         )
             elif isinstance(message, (ErrorOut, DebugStateOut)):

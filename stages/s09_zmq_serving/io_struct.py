@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from s02_request_and_sampling.logprobs import TokenLogprob
 from s02_request_and_sampling.req import FinishReason
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.servable import RequestTooLong
@@ -93,6 +94,7 @@ class BatchTokenIDOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]  # every generated token so far, a matched stop token / EOS included
     stops: list[list[str]]  # each request's stop strings: the detokenizer trims and holds back by them
+    new_logprobs: list[list[TokenLogprob]]  # one per new token for a request that asked, else []
 
 
 @dataclass
@@ -105,6 +107,20 @@ class BatchStrOut:
     finish_reasons: list[str | None]
     prompt_tokens: list[int]
     completion_tokens: list[int]
+    logprobs: list[list[LogprobEntry]]  # the tokens whose text went out in texts[i] (for a request that asked)
+
+
+@dataclass
+class LogprobEntry:
+    """One output token's log-probability as a client reads it: the token's own text and exact
+    bytes (part of a UTF-8 character shows as U+FFFD in ``token``; the bytes stay exact), where its
+    text starts in the answer, and the likeliest tokens at its place as (text, bytes, logprob)."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+    text_offset: int
+    top: list[tuple[str, bytes, float]]
 
 
 @dataclass

@@ -217,7 +217,7 @@ class SchedulerProcess:
         """One step's TokenOutputs as one BatchTokenIDOut; finished requests are forgotten."""
         if not outputs:
             return
-        batch = BatchTokenIDOut([], [], [], [], [], [])
+        batch = BatchTokenIDOut([], [], [], [], [], [], [])
         for out in outputs:
             req = self.reqs.get(out.rid)
             if req is None:
@@ -244,6 +244,7 @@ class SchedulerProcess:
             batch.prompt_tokens.append(len(req.origin_input_ids))
             batch.completion_tokens.append(len(req.output_ids))
             batch.stops.append(req.sampling_params.stop)
+            batch.new_logprobs.append(list(out.new_logprobs))
         if batch.rids:
             self.send_to_detokenizer.send_pyobj(batch)
 

@@ -1,9 +1,10 @@
-"""The soak's own grammar check (tools/soak_serving.py, not graded): an answer that ended by
-itself is held to its grammar, a JSON object's keys to the schema's order."""
+"""The soak's own checks (tools/soak_serving.py, not graded): an answer that ended by itself is
+held to its grammar, a JSON object's keys to the schema's order; an answer with log-probabilities
+to its text (the entries' bytes spell it) and to the alternatives asked for."""
 
 from __future__ import annotations
 
-from soak_serving import SCHEMAS, grammar_problems
+from soak_serving import SCHEMAS, grammar_problems, logprob_problems
 
 TAGGED = SCHEMAS[1]  # properties n, then tag
 
@@ -22,3 +23,31 @@ def test_invalid_json_a_schema_violation_and_a_regex_miss_are_problems():
     for text in ('{"n":7', '{"n":100,"tag":"a"}', '{"n":7,"tag":"c"}'):
         assert grammar_problems(text, TAGGED, None), text
     assert grammar_problems("dogs", None, r"(cat|dog)s?!")
+
+
+def chat_entry(data: bytes, logprob: float, alternatives: int) -> dict:
+    top = [{"token": "x", "logprob": -5.0, "bytes": [120]}] * alternatives
+    return {"token": data.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(data), "top_logprobs": top}
+
+
+def test_logprobs_that_spell_the_text_pass_and_the_others_do_not():
+    body = {"logprobs": True, "top_logprobs": 1}
+    good = [{"logprobs": {"content": [chat_entry(b"h\xc3", -0.5, 1), chat_entry(b"\xa9", -0.1, 1)]}}]
+    assert logprob_problems(True, body, good, "hé") == []
+    [problem] = logprob_problems(True, body, good, "he")
+    assert "the entries' bytes spell" in problem
+    positive = [{"logprobs": {"content": [chat_entry(b"h", 0.5, 1)]}}]
+    assert "finite number <= 0" in logprob_problems(True, body, positive, "h")[0]
+    assert "alternatives" in logprob_problems(True, {**body, "top_logprobs": 2}, good, "hé")[0]
+    completion = [
+        {
+            "logprobs": {
+                "tokens": ["h", "bytes:\\xc3", "bytes:\\xa9"],
+                "token_logprobs": [-1.0] * 3,
+                "top_logprobs": [{}] * 3,
+                "text_offset": [0, 1, 1],
+            }
+        }
+    ]
+    assert logprob_problems(False, {"logprobs": 0}, completion, "hé") == []
+    assert logprob_problems(True, body, [{"logprobs": None}], "h"), "asked and got none: a problem"

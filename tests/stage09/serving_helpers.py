@@ -221,6 +221,10 @@ def assert_nothing_leaked(state: dict, what: str) -> None:
             f"{what}: the detokenizer still keeps the text of {state['detokenizer_requests']} requests: a request's "
             "end (an abort too) must reach the detokenizer, which then forgets it"
         )
+        assert state["detokenizer_logprob_streams"] == 0, (
+            f"{what}: the detokenizer still keeps the log-probabilities of {state['detokenizer_logprob_streams']} "
+            "requests: they must be forgotten with the request's text"
+        )
         assert state["detokenizer_failed"] == 0, (
             f"{what}: the detokenizer still waits for the end of {state['detokenizer_failed']} failed requests"
         )

@@ -2,7 +2,9 @@
 
 Text goes out a piece per step, never half a UTF-8 character, never text that later turns out to
 be (part of) a stop string, and the pieces joined are exactly what the offline engine's
-``Req.output_text`` gives for the same tokens (stop strings trimmed, a stop token / EOS dropped)."""
+``Req.output_text`` gives for the same tokens (stop strings trimmed, a stop token / EOS dropped).
+A request's log-probability entries go out with their text, never ahead of it, and a cut stop
+string's or an EOS's tokens have none."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import random
 import pytest
 
 from reference import engine_tokenizer
+from s02_request_and_sampling.logprobs import TokenLogprob
 from s02_request_and_sampling.req import FinishReason, Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s09_zmq_serving.detokenizer_manager import DecodeStatus, stop_hold_back
+from s09_zmq_serving.logprob_stream import LogprobStream
 
 EOS = 257  # the tiny models' <|im_end|>
 
@@ -155,4 +159,95 @@ def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
         assert final.startswith(so_far), (
             f"{what}: after step {step} the client had seen {so_far!r}, which is not a beginning of the final text "
             f"{final!r}: text was sent that later had to be taken back"
+        )
+
+
+# --- log-probabilities go out with their text (logprob_stream.py) ---------------------------------
+
+
+def numbered(ids: list[int]) -> list[TokenLogprob]:
+    """A TokenLogprob per token whose logprob is minus its place, so an entry says which token it is."""
+    return [TokenLogprob(t, -float(i), ((t, -float(i)),)) for i, t in enumerate(ids)]
+
+
+def feed_logprobs(tokenizer, stops, ids, finish_reason):
+    """One token per step through a DecodeStatus and its LogprobStream; returns [(text, entries)] per step."""
+    status, stream = DecodeStatus(tokenizer, stops), LogprobStream(tokenizer)
+    steps = []
+    for i, (token, logprob) in enumerate(zip(ids, numbered(ids))):
+        steps.append(stream.step(status, [token], [logprob], finish_reason if i == len(ids) - 1 else None))
+    return steps
+
+
+def test_an_entry_waits_for_its_text(tiny_models_root):
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    steps = feed_logprobs(tokenizer, [], byte_ids("né!"), FinishReason("length"))
+    counts = [len(entries) for _, entries in steps]
+    assert counts == [1, 0, 2, 1], (
+        f"'né!' is 4 byte tokens; 'é' is two, and its first byte sends no text, so its entry must wait and go out "
+        f"with the second's: entries per step should be [1, 0, 2, 1], got {counts}"
+    )
+    entries = [e for _, step in steps for e in step]
+    assert [e.token_bytes for e in entries] == [b"n", b"\xc3", b"\xa9", b"!"], (
+        f"each entry carries its token's exact bytes (half of 'é' included), got {[e.token_bytes for e in entries]}"
+    )
+    assert entries[1].token == "\ufffd" and [e.text_offset for e in entries] == [0, 1, 1, 2], (
+        f"half a character shows as U+FFFD, and each entry's text_offset is where its text starts in 'né!' (both "
+        f"halves of 'é' at 1): got tokens {[e.token for e in entries]}, offsets {[e.text_offset for e in entries]}"
+    )
+
+
+def test_entries_of_a_stop_string_and_a_stop_token_are_dropped(tiny_models_root):
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    stop = "\n\nUser:"
+    steps = feed_logprobs(tokenizer, [stop], byte_ids("Sure!\n\nUser:"), FinishReason("stop", matched=stop))
+    entries = [e for _, step in steps for e in step]
+    assert [e.logprob for e in entries] == [0, -1, -2, -3, -4], (
+        f"the stop string {stop!r} is cut from the text, so its tokens' entries are dropped: the entries should be "
+        f"those of 'Sure!' (tokens 0-4), got tokens {[-e.logprob for e in entries]}"
+    )
+    held = [len(step) for _, step in steps[5:-1]]
+    assert held == [0] * len(held), f"while the tail may become the stop string, its entries wait; got {held}"
+    steps = feed_logprobs(tokenizer, [], [*byte_ids("ok"), EOS], FinishReason("stop", matched=EOS))
+    entries = [e for _, step in steps for e in step]
+    assert [e.token_bytes for e in entries] == [b"o", b"k"], (
+        f"a matched stop token / EOS is not part of the answer, and has no entry; got {[e.token for e in entries]}"
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_entries_follow_the_text_sent(tiny_models_root, seed):
+    """Random outputs (multi-byte characters, stray bytes, stop strings and tokens): entries go out
+    in token order, never ahead of their text, and at the end every token the answer shows has one."""
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    rng = random.Random(seed)
+    ids = random_output(rng)
+    stops = rng.choice([[], ["ab"], ["\n", "é中"], ["ba b", "x"]])
+    req = Req(f"r{seed}", [65], SamplingParams(max_new_tokens=rng.randint(10, 40), stop=stops), tokenizer=tokenizer)
+    status, stream = DecodeStatus(tokenizer, stops), LogprobStream(tokenizer)
+    sent, entries = "", []
+    for token, logprob in zip(ids, numbered(ids)):
+        req.append_token(token)
+        req.check_finished()
+        text, new = stream.step(status, [token], [logprob], req.finished_reason)
+        sent += text
+        entries += new
+        assert [-e.logprob for e in entries] == list(range(len(entries))), (
+            f"seed {seed}: entries must go out once each, in token order; got tokens {[-e.logprob for e in entries]}"
+        )
+        assert all(e.text_offset <= len(sent) for e in entries), (
+            f"seed {seed}: an entry went out before its text: offsets {[e.text_offset for e in entries]}, "
+            f"{len(sent)} characters sent"
+        )
+        if req.finished:
+            break
+    reason = req.finished_reason
+    shown = len(req.output_ids) - (1 if reason is not None and isinstance(reason.matched, int) else 0)
+    if reason is not None and isinstance(reason.matched, str):
+        assert len(entries) <= shown and all(e.text_offset < len(sent) for e in entries), (
+            f"seed {seed}: cut at a stop string, only tokens that start before it keep their entry"
+        )
+    else:
+        assert len(entries) == shown, (
+            f"seed {seed}: finished with {reason}: the answer shows {shown} tokens, {len(entries)} entries went out"
         )

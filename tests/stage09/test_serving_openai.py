@@ -18,6 +18,7 @@ from serving_helpers import (
     read_sse,
     stream_concurrently,
 )
+from soak_serving import token_bytes
 
 COMPLETION_PROMPTS = ["Hello", "héllo wörld ☃ 中文", "The quick brown fox jumps", "a\nb\n\nc"]
 
@@ -229,3 +230,78 @@ def test_a_stream_has_a_usage_chunk_only_when_asked(tiny_server, kind):
         answer = post(tiny_server, path, body)
         assert answer.status_code == 200, f"a streamed {kind} got {answer.status_code}: {answer.text[:300]}"
         check_stream_shape(read_sse(answer), kind, body, f"a streamed {kind} with stream_options={options}")
+
+
+def logprob_rows(client: OpenAI, kind: str, stream: bool, **request) -> tuple[str, list[tuple]]:
+    """(text, [(token bytes, logprob, [(alternative bytes, logprob)], text_offset or None)]) of one
+    request with log-probabilities, through the openai client; streamed, every chunk's entries in order."""
+    create = client.chat.completions.create if kind == "chat" else client.completions.create
+    answers = list(create(stream=True, **request)) if stream else [create(**request)]
+    text, rows = "", []
+    for answer in answers:
+        for choice in answer.choices:
+            if kind == "chat":
+                text += (choice.delta.content or "") if stream else choice.message.content
+            else:
+                text += choice.text
+            shown = choice.logprobs
+            if kind == "chat":
+                for e in (shown.content or []) if shown is not None else []:
+                    alternatives = [(bytes(a.bytes), a.logprob) for a in e.top_logprobs]
+                    rows.append((bytes(e.bytes), e.logprob, alternatives, None))
+            elif shown is not None:
+                for token, value, top, offset in zip(
+                    shown.tokens, shown.token_logprobs, shown.top_logprobs, shown.text_offset
+                ):
+                    rows.append((token_bytes(token), value, [(token_bytes(t), v) for t, v in top.items()], offset))
+    return text, rows
+
+
+def test_logprobs_equal_the_offline_engines(tiny_server):
+    """logprobs through both APIs, streamed and not: one entry per token the answer shows (an EOS
+    has none), each the offline engine's logprob and alternatives, the tokens' bytes joined are the
+    text, and a completion's text_offsets say where each token starts."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
+    messages = [{"role": "user", "content": "Say ünïcode"}]
+    cases = [
+        ("chat", messages, greedy(10, logprobs=2), dict(messages=messages, logprobs=True, top_logprobs=2)),
+        (
+            "completion",
+            tokenizer.encode("héllo"),
+            greedy(10, logprobs=3, ignore_eos=True),
+            dict(prompt="héllo", logprobs=3, extra_body={"ignore_eos": True}),
+        ),
+    ]
+    for kind, prompt, params, request in cases:
+        [expected] = offline_outputs(engine, [prompt], params)
+        shown = expected.logprobs[:-1] if isinstance(expected.finish_reason.matched, int) else expected.logprobs
+        for stream in (False, True):
+            what = f"a {kind} with logprobs (stream={stream})"
+            text, rows = logprob_rows(client, kind, stream, model=path.name, max_tokens=10, temperature=0, **request)
+            assert text == expected.text, (
+                f"{what}: the text {text!r} differs from the offline engine's {expected.text!r}"
+            )
+            assert len(rows) == len(shown), (
+                f"{what}: {len(rows)} entries, but the answer shows {len(shown)} tokens "
+                f"({len(expected.output_ids)} generated, finish {expected.finish_reason})"
+            )
+            for i, ((data, value, alternatives, _), entry) in enumerate(zip(rows, shown)):
+                token_ids = [entry.token_id, *(t for t, _ in entry.top)]
+                (_, want), *tops = tokenizer.token_pieces(token_ids)
+                assert data == want and abs(value - entry.logprob) < 1e-4, (
+                    f"{what}: entry {i} is {data!r} with {value:.6f}; the offline engine's token {entry.token_id} "
+                    f"is {want!r} with {entry.logprob:.6f}"
+                )
+                assert [a for a, _ in alternatives] == [b for _, b in tops], (
+                    f"{what}: entry {i}'s alternatives are {alternatives}, the offline engine's are {tops}"
+                )
+            assert b"".join(row[0] for row in rows).decode("utf-8", "replace") == text, (
+                f"{what}: the entries' bytes joined should spell the text {text!r}"
+            )
+            if kind == "completion":
+                offsets = [row[3] for row in rows]
+                starts = [len(b"".join(row[0] for row in rows[:i]).decode("utf-8", "ignore")) for i in range(len(rows))]
+                assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text), (
+                    f"{what}: text_offset is where each token's text starts: got {offsets} for {text!r} ({starts})"
+                )

@@ -84,3 +84,29 @@ def test_impossible_values_are_refused_naming_the_field(field, value):
         )
     else:
         pytest.fail(f"{field}={value!r} is impossible, yet to_sampling_params accepted it")
+
+
+@pytest.mark.parametrize(
+    "kind, fields, expected",
+    [
+        ("chat", {}, None),
+        ("chat", {"logprobs": False}, None),
+        ("chat", {"logprobs": True}, 0),
+        ("chat", {"logprobs": True, "top_logprobs": 20}, 20),
+        ("completion", {}, None),
+        ("completion", {"logprobs": 0}, 0),
+        ("completion", {"logprobs": 5}, 5),
+    ],
+)
+def test_logprobs_in_both_spellings(kind, fields, expected):
+    """A chat asks with logprobs: true and top_logprobs: k, a completion with logprobs: k; both become
+    SamplingParams.logprobs = k (None: no log-probabilities)."""
+    if kind == "chat":
+        request = ChatCompletionRequest(model="m", messages=MESSAGES, **fields)
+    else:
+        request = CompletionRequest(model="m", prompt="Hi", **fields)
+    params, _ = to_sampling_params(request)
+    assert params.logprobs == expected, (
+        f"a {kind} request with {fields or 'no logprobs fields'} should give SamplingParams.logprobs={expected}, got "
+        f"{params.logprobs}"
+    )

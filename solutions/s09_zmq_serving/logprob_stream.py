@@ -1,0 +1,112 @@
+"""Log-probabilities on a stream: each token's entry goes out with its text, never before it.
+
+For a request that asked (``SamplingParams.logprobs``), the scheduler sends each new token's
+``TokenLogprob`` (stage 2) beside its id. The detokenizer turns it into what a client reads, a
+``LogprobEntry``: the token's text and bytes, its log-probability, the likeliest tokens at its
+place, and where its text starts in the answer. The text's two rules (detokenizer_manager.py)
+decide when an entry may go::
+
+    tokens      " Sure"  "!"  "\\n\\n"  "User"  ":"        stop = ["\\n\\nUser:"]
+    text sent   " Sure!"                                 (held back: "\\n\\nUser" may be the stop)
+    entries     " Sure"  "!"                             ("\\n\\n" and "User" wait with their text)
+    at ":"      the stop string is complete: its tokens' entries are dropped with its text
+
+- **An entry waits for its text.** A token holding half a character, or the start of what may
+  become a stop string, has sent nothing yet; its entry waits until its text is sent.
+- **What the answer does not show has no entry.** A matched stop token / EOS, and the tokens
+  wholly inside a matched stop string, are dropped with their text.
+
+So an answer's entries line up with its text: each ``text_offset`` is where that token's text
+starts, the entries streamed are exactly the entries of the whole answer, and the answer is the
+tokens' bytes joined (up to a cut stop string).
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import TYPE_CHECKING, Sequence
+
+from s00_foundation.tokenizer import Tokenizer
+from s02_request_and_sampling.logprobs import TokenLogprob
+from s02_request_and_sampling.req import FinishReason
+
+from .io_struct import LogprobEntry
+
+if TYPE_CHECKING:  # only types: detokenizer_manager.py imports this module
+    from .detokenizer_manager import DecodeStatus
+
+
+class LogprobStream:
+    """One request's entries not sent yet, and where each one's text lies once it is released."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.waiting: list[TokenLogprob] = []  # in token order: the newest tokens of the output
+        self.spans: list[tuple[int, int] | None] = []  # each waiting token's (start, end) in the text; None: unplaced
+        self.placed_to = 0  # where the text of the tokens placed so far ends
+
+    def step(
+        self,
+        status: DecodeStatus,
+        new_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprob],
+        finish_reason: FinishReason | None,
+    ) -> tuple[str, list[LogprobEntry]]:
+        """``status.step`` over the new tokens, one at a time (so each token's text is placed),
+        and the entries whose text has now been sent. Returns (text, entries)."""
+        if len(logprobs) != len(new_ids):
+            raise ValueError(
+                f"{len(new_ids)} new token(s) came with {len(logprobs)} log-probabilities; expected one each"
+            )
+        text = ""
+        for j, (token_id, logprob) in enumerate(zip(new_ids, logprobs)):
+            text += status.step([token_id], finish_reason if j == len(new_ids) - 1 else None)
+            self.waiting.append(logprob)
+            self.spans.append(None)
+            detok = status.detokenizer
+            first = len(status.output_ids) - len(self.waiting)  # the output index of waiting[0]
+            self.place(
+                [k for k, span in enumerate(self.spans) if span is None and first + k < detok.read_offset],
+                len(detok.text),
+            )
+        if not new_ids and finish_reason is not None:
+            text += status.step([], finish_reason)
+        if finish_reason is None:
+            return text, self.release(sum(1 for span in self.spans if span is not None and span[1] <= status.sent))
+        # The answer is complete, status.sent characters long: its unfinished tail is text now.
+        self.place([k for k, span in enumerate(self.spans) if span is None], max(status.sent, self.placed_to))
+        if isinstance(finish_reason.matched, int):  # a stop token / EOS: the last token is not text
+            keep = len(self.waiting) - 1
+        elif isinstance(finish_reason.matched, str):  # a stop string: the tokens that start before it
+            keep = sum(1 for span in self.spans if span is not None and span[0] < status.sent)
+        else:
+            keep = len(self.waiting)
+        return text, self.release(max(keep, 0))
+
+    def place(self, group: list[int], end: int) -> None:
+        """The waiting tokens ``group`` were released together (a character split over tokens):
+        their text runs from where the text placed so far ends to ``end``. Inside it, each token
+        starts where the UTF-8 decoding of the group's bytes before it has got to (half a
+        character is not text yet, so "é" split in two starts at the first token's place)."""
+        if not group:
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pieces = self.tokenizer.token_pieces([self.waiting[k].token_id for k in group])
+        at = self.placed_to
+        for k, (_, data) in zip(group, pieces):
+            self.spans[k] = (min(at, end), end)
+            at += len(decoder.decode(data))
+        self.placed_to = end
+
+    def release(self, count: int) -> list[LogprobEntry]:
+        """The first ``count`` waiting tokens leave as entries, in order. Once a request is over,
+        the tokens left waiting are the ones its answer does not show; they go with the stream."""
+        entries = []
+        for logprob, span in zip(self.waiting[:count], self.spans[:count]):
+            token_ids = [logprob.token_id, *(token_id for token_id, _ in logprob.top)]
+            (token, data), *top = self.tokenizer.token_pieces(token_ids)
+            alternatives = [(text, piece, value) for (text, piece), (_, value) in zip(top, logprob.top)]
+            assert span is not None, "only placed tokens are released"
+            entries.append(LogprobEntry(token, data, logprob.logprob, span[0], alternatives))
+        del self.waiting[:count], self.spans[:count]
+        return entries
