@@ -31,6 +31,7 @@ Nothing is asserted: the numbers depend on the machine as much as on the code.
     python tools/benchmark_offline.py --workload b --json reports/b.json
     python tools/benchmark_offline.py --stage 5 --workload a   # an earlier stage's engine
     python tools/benchmark_offline.py --stage 11               # make serve's engine (overlap where it pays)
+    python tools/benchmark_offline.py --workload b --logprobs 5 --skip-transformers   # what logprobs cost
     make bench-peer                                            # with vLLM (its own venv)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
@@ -145,8 +146,9 @@ def engine_class(stage: int):
     return __import__(f"{module}.engine", fromlist=["Engine"]).Engine
 
 
-def run_engine(engine, workload: Workload) -> EngineRun:
-    """The engine on the workload, each forward pass's shape recorded (for the ceiling)."""
+def run_engine(engine, workload: Workload, logprobs: int | None = None) -> EngineRun:
+    """The engine on the workload, each forward pass's shape recorded (for the ceiling); with
+    ``logprobs``, every request also asks for its tokens' log-probabilities and k alternatives."""
     passes = []
     forward = engine.runner.forward
 
@@ -155,7 +157,10 @@ def run_engine(engine, workload: Workload) -> EngineRun:
         return forward(batch)
 
     engine.runner.forward = recording_forward
-    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, logprobs=logprobs)
+        for n in workload.output_lens
+    ]
     before = vars(engine.scheduler.stats).copy()  # the warm-up's
     try:
         outputs = [out.output_ids for out in engine.generate(workload.prompts, params)]
@@ -415,7 +420,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     if args.overlap != "auto":
         knobs["disable_overlap"] = args.overlap == "off"
 
-    def engine_run(label: str) -> tuple[EngineRun, float]:
+    def engine_run(label: str, logprobs: int | None = None) -> tuple[EngineRun, float]:
         """A fresh engine (an empty cache: a second run must not find the first one's prompts),
         warmed up on a prompt the workload does not contain, then timed on the workload."""
         engine = Engine(model, tokenizer, **knobs)
@@ -425,7 +430,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
             overlap = f", overlap {'on' if engine.scheduler.enable_overlap else 'off'}"
             row["overlap"] = engine.scheduler.enable_overlap
         progress.update(label)
-        run, seconds = timed(partial(run_engine, engine, workload), device)
+        run, seconds = timed(partial(run_engine, engine, workload, logprobs), device)
         progress.clear()
         report(
             label,
@@ -437,6 +442,11 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
 
     run, seconds = engine_run("engine")
     row["engine"] = run.stats
+
+    if args.logprobs is not None:  # the same workload again, every request asking: what it costs
+        asked, asked_s = engine_run(f"engine, logprobs={args.logprobs}", args.logprobs)
+        row["ratios"][f"engine logprobs={args.logprobs} time / engine time"] = round(asked_s / seconds, 2)
+        row["agreement"][f"engine with logprobs={args.logprobs}"] = agreement(run.outputs, asked.outputs)
 
     if peer is not None:  # vLLM right after the engine, pair by pair: both see the same machine
         pairs = []
@@ -553,6 +563,13 @@ def main() -> None:
         type=int,
         default=2,
         help="with --peer: engine-then-vLLM runs per workload, back to back; the ratio is their median (default 2)",
+    )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run the engine a second time with every request asking for logprobs=K (0-20): what they cost",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")

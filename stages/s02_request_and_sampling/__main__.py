@@ -1,8 +1,10 @@
-"""Stage 2 milestone: one prompt, several sampled continuations, each reproducible from its seed."""
+"""Stage 2 milestone: one prompt, several sampled continuations, each reproducible from its seed,
+and how sure the model was of its greedy answer (its tokens' log-probabilities)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from s00_foundation.device import describe
@@ -36,7 +38,7 @@ def main() -> None:
 
     # One batch: greedy, one request per seed, and the first seed once more to show it repeats.
     labels = ["greedy"] + [f"seed={s}" for s in args.seeds] + [f"seed={args.seeds[0]} again"]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, logprobs=0)]
     params += [sampled(s) for s in args.seeds] + [sampled(args.seeds[0])]
 
     start = time.perf_counter()
@@ -54,6 +56,13 @@ def main() -> None:
         f"\nseed={args.seeds[0]} twice -> {'identical' if same else 'DIFFERENT (a seed should reproduce its run!)'} "
         "continuations"
     )
+    entries = outputs[0].logprobs or []
+    if entries:
+        least = min(entries, key=lambda entry: entry.logprob)
+        print(
+            f"greedy answer: log p = {sum(e.logprob for e in entries):.2f} over {len(entries)} tokens; the model was "
+            f"least sure of {tokenizer.decode([least.token_id])!r} (p = {math.exp(least.logprob):.2f})"
+        )
     total = sum(out.output_tokens for out in outputs)
     print(
         f"{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s "

@@ -282,6 +282,10 @@ def test_logprobs_equal_the_offline_engines(tiny_server):
             assert text == expected.text, (
                 f"{what}: the text {text!r} differs from the offline engine's {expected.text!r}"
             )
+            assert rows, (
+                f"{what}: the answer carries no log-probabilities; the request's logprobs fields must reach the "
+                "engine as SamplingParams.logprobs (to_sampling_params)"
+            )
             assert len(rows) == len(shown), (
                 f"{what}: {len(rows)} entries, but the answer shows {len(shown)} tokens "
                 f"({len(expected.output_ids)} generated, finish {expected.finish_reason})"
