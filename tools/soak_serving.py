@@ -172,6 +172,8 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
         )
     if rng.random() < 0.3:  # log-probabilities, as each API spells them
         body.update({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if chat else {"logprobs": rng.randint(0, 5)})
+    elif rng.random() < 0.2:  # several choices (their answers are checked by shape and count)
+        body["n"] = rng.randint(2, 4)
     if rng.random() < 0.5:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -223,9 +225,10 @@ def error_problems(payload) -> list[str]:
     return []
 
 
-def stream_problems(chunks: list[dict], chat: bool, include_usage: bool) -> list[str]:
-    """A streamed answer's JSON chunks (without [DONE]): the right object, exactly one finish
-    reason, on the last chunk with a choice; a usage-only last chunk if and only if asked."""
+def stream_problems(chunks: list[dict], chat: bool, include_usage: bool, n: int = 1) -> list[str]:
+    """A streamed answer's JSON chunks (without [DONE]): the right object; for each of its ``n``
+    choices (by index), exactly one finish reason, on that choice's last chunk; a usage-only last
+    chunk if and only if asked."""
     wanted = "chat.completion.chunk" if chat else "text_completion"
     if errors := [c for c in chunks if "error" in c]:
         return [f"the stream carried an error: {errors[0]}"]
@@ -235,9 +238,16 @@ def stream_problems(chunks: list[dict], chat: bool, include_usage: bool) -> list
             f"every chunk's object must be {wanted!r}; got {sorted({str(c.get('object')) for c in chunks})}"
         )
     with_choices = [c for c in chunks if c.get("choices")]
-    finishes = [ch.get("finish_reason") for c in with_choices for ch in c["choices"] if ch.get("finish_reason")]
-    if len(finishes) != 1 or not with_choices or not with_choices[-1]["choices"][0].get("finish_reason"):
-        problems.append(f"exactly one finish reason, on the last chunk with a choice; got {finishes}")
+    by_index: dict = {}
+    for c in with_choices:
+        for choice in c["choices"]:
+            by_index.setdefault(choice.get("index"), []).append(choice)
+    if sorted(by_index, key=str) != list(range(n)):
+        problems.append(f"{n} choice(s) numbered 0..{n - 1}; got the indices {sorted(by_index, key=str)}")
+    for index, choices in by_index.items():
+        finishes = [ch.get("finish_reason") for ch in choices if ch.get("finish_reason")]
+        if len(finishes) != 1 or not choices[-1].get("finish_reason"):
+            problems.append(f"choice {index}: exactly one finish reason, on its last chunk; got {finishes}")
     usage = [c for c in chunks if c.get("usage")]
     if include_usage and not (len(usage) == 1 and chunks[-1] is usage[0] and not chunks[-1]["choices"]):
         problems.append(
@@ -250,6 +260,12 @@ def stream_problems(chunks: list[dict], chat: bool, include_usage: bool) -> list
             f"got {[c for c in chunks if c.get('usage') or not c.get('choices')][:2]}"
         )
     return problems
+
+
+def choices_asked(body: dict | None) -> int:
+    """How many choices a well-formed answer to ``body`` holds (its n, 1 if absent)."""
+    n = body.get("n") if isinstance(body, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def answer_problems(path: str, body: dict | None, answer: requests.Response, allowed: set[int]) -> list[str]:
@@ -272,17 +288,19 @@ def answer_problems(path: str, body: dict | None, answer: requests.Response, all
         except ValueError as error:
             return [f"a stream event that is not JSON ({error})"]
         options = body.get("stream_options") if isinstance(body, dict) else None
-        return stream_problems(chunks, chat, isinstance(options, dict) and options.get("include_usage") is True)
+        asked_usage = isinstance(options, dict) and options.get("include_usage") is True
+        return stream_problems(chunks, chat, asked_usage, choices_asked(body))
     try:
         payload = json.loads(raw)
-        choice, use = payload["choices"][0], payload["usage"]
-        text = choice["message"]["content"] if chat else choice["text"]
+        choices, use = payload["choices"], payload["usage"]
+        texts = [choice["message"]["content"] if chat else choice["text"] for choice in choices]
         ok = (
             payload["object"] == ("chat.completion" if chat else "text_completion")
-            and isinstance(text, str)
-            and choice["finish_reason"] in ("stop", "length")
+            and [choice["index"] for choice in choices] == list(range(choices_asked(body)))
+            and all(isinstance(text, str) for text in texts)
+            and all(choice["finish_reason"] in ("stop", "length") for choice in choices)
             and use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"]
-            and use["completion_tokens"] >= 1
+            and use["completion_tokens"] >= len(choices)
         )
     except (ValueError, KeyError, IndexError, TypeError) as error:
         return [f"a 200 that is not an OpenAI answer ({type(error).__name__}): {raw[:200]!r}"]
@@ -335,16 +353,19 @@ def logprob_problems(chat: bool, body: dict, choices: list[dict], text: str) -> 
     return problems
 
 
-def answer_text(path: str, answer: requests.Response) -> tuple[str, str | None]:
-    """A 200 answer's whole text and finish reason, streamed or not."""
-    text, finish = "", None
+def answer_texts(path: str, answer: requests.Response) -> list[tuple[str, str | None]]:
+    """A 200 answer's whole text and finish reason per choice (by index), streamed or not."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, str | None] = {}
     for choice in answer_choices(answer):
+        index = choice.get("index", 0)
         if path != CHAT:
-            text += choice["text"]
+            piece = choice["text"]
         else:
-            text += (choice["message"] if "message" in choice else choice["delta"]).get("content") or ""
-        finish = choice["finish_reason"] or finish
-    return text, finish
+            piece = (choice["message"] if "message" in choice else choice["delta"]).get("content") or ""
+        texts[index] = texts.get(index, "") + piece
+        finishes[index] = choice["finish_reason"] or finishes.get(index)
+    return [(texts[i], finishes[i]) for i in sorted(texts)]
 
 
 def grammar_problems(text: str, schema: dict | None, regex: str | None) -> list[str]:
@@ -400,7 +421,7 @@ class Soak:
         answer = self.post(path, json.dumps(body).encode())
         problems, outcome = answer_problems(path, body, answer, {200, *BUSY}), str(answer.status_code)
         if not problems and answer.status_code == 200 and "logprobs" in body:
-            text, _ = answer_text(path, answer)
+            [(text, _)] = answer_texts(path, answer)  # (a body with logprobs asks for one choice)
             problems = logprob_problems(path == CHAT, body, answer_choices(answer), text)
             outcome = "200, logprobs checked against the text"
         self.record("good", outcome, problems)
@@ -427,9 +448,8 @@ class Soak:
             return
         problems, outcome = answer_problems(path, body, answer, {200, *BUSY}), str(answer.status_code)
         if not problems and answer.status_code == 200:
-            text, finish = answer_text(path, answer)
-            ended = finish == "stop"
-            problems = grammar_problems(text, schema, regex) if ended else []
+            ended = [text for text, finish in answer_texts(path, answer) if finish == "stop"]
+            problems = [problem for text in ended for problem in grammar_problems(text, schema, regex)]
             outcome = "200, ended: checked against its grammar" if ended else "200, cut at max_tokens"
         self.record("structured", outcome, problems)
 

@@ -25,17 +25,21 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from s02_request_and_sampling.sampling_params import MAX_SEED
+
 from .engine_client import ClientGone, EngineClient, OutputPiece, rejection
 from .http_errors import OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
 from .io_struct import DebugFaultReq, DebugStateReq, ErrorOut, GenerateReqInput, LogprobEntry
 from .protocol import (  # noqa: F401
     ChatCompletionRequest,
+    Choice,
     CompletionRequest,
     InvalidRequest,
     Limits,
@@ -73,6 +77,39 @@ async def stream_chunks(
         "Stage 9: the stream's chunks for these outputs (text, finish, usage) - see stages/s09_zmq_serving/README.md#streaming-sse"  # noqa: E501 (one message, the learner's to read whole)
     )
     yield  # keeps stream_chunks a generator, as the solution is
+
+
+def choices_of(req: GenerateReqInput, n: int) -> list[GenerateReqInput]:
+    """The engine requests of an API request with ``n`` choices: ``req`` itself for one; else n
+    copies with rids of their own, choice i seeded with seed + i (so a seeded request with n
+    choices reproduces, and its choices differ). The engine's radix cache computes their shared
+    prompt once (stage 7 holds the copies back until the first one's prefill is in the tree)."""
+    if n == 1:
+        return [req]
+    seed = req.sampling_params.seed
+    return [
+        replace(
+            req,
+            rid=f"{req.rid}-{i}",
+            sampling_params=replace(req.sampling_params, seed=None if seed is None else (seed + i) % (MAX_SEED + 1)),
+        )
+        for i in range(n)
+    ]
+
+
+def whole_choices(rids: list[str], pieces: list[OutputPiece], asked: bool) -> tuple[list[Choice], tuple[int, int]]:
+    """The choices of a whole answer from the pieces of its engine requests ``rids`` (in any
+    order), and its (prompt, completion) token counts: the prompt once, every choice's tokens."""
+    choices = {rid: Choice("", None, [] if asked else None) for rid in rids}
+    generated: dict[str, int] = {}
+    for piece in pieces:
+        choice = choices[piece.rid]
+        choice.text += piece.text
+        choice.finish_reason = piece.finish_reason or choice.finish_reason
+        if choice.logprobs is not None:
+            choice.logprobs += piece.logprobs
+        generated[piece.rid] = piece.completion_tokens
+    return [choices[rid] for rid in rids], (pieces[-1].prompt_tokens, sum(generated.values()))
 
 
 class DebugFault(BaseModel):
@@ -122,7 +159,7 @@ class OpenAIServing:
         params = await self.constrain(params, body.response_format, body.regex)
         req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, fill_max_new_tokens=fill)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(request, req, body.stream, include_usage, model, "chat")
+        return await self.generate(request, req, body.n or 1, body.stream, include_usage, model, "chat")
 
     async def completions(self, body: CompletionRequest, request: Request):
         check_limits(body, self.limits)
@@ -133,7 +170,7 @@ class OpenAIServing:
         params = await self.constrain(params, None, body.regex)
         req = GenerateReqInput(new_id("cmpl"), params, text=text, input_ids=ids, fill_max_new_tokens=fill)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(request, req, body.stream, include_usage, model, "completion")
+        return await self.generate(request, req, body.n or 1, body.stream, include_usage, model, "completion")
 
     async def constrain(self, params, response_format: dict | None, regex: str | None):
         """response_format and regex need stage 11's engine (structured output): imported here,
@@ -158,16 +195,27 @@ class OpenAIServing:
         )
 
     async def generate(
-        self, request: Request, req: GenerateReqInput, stream: bool, include_usage: bool, model: str, kind: str
+        self,
+        request: Request,
+        req: GenerateReqInput,
+        n: int,
+        stream: bool,
+        include_usage: bool,
+        model: str,
+        kind: str,
     ):
-        """Send ``req`` on and answer with what comes back: the whole answer, or a stream."""
+        """Send ``req`` on (as ``n`` engine requests, one per choice) and answer with what comes
+        back: the whole answer, or a stream."""
         client = self.client
         assert client is not None, "the app has not started"
         asked = req.sampling_params.logprobs is not None
         timeout = self.server_args.request_timeout
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        queue = client.open(req.rid, self.max_in_flight)
-        client.send(req)
+        reqs = choices_of(req, n)
+        rids = [r.rid for r in reqs]
+        queue = client.open(rids, self.max_in_flight)
+        for r in reqs:
+            client.send(r)
         try:
             # Wait for the first piece before answering: a request the scheduler rejects (too
             # long a prompt) then gets a proper 400, not a 200 stream that carries an error.
@@ -175,62 +223,68 @@ class OpenAIServing:
             if isinstance(first, ErrorOut):
                 raise rejection(first, kind)
             if not stream:
-                pieces = [out async for out in client.outputs(req.rid, queue, first, request, deadline)]
-                last = pieces[-1]
-                text = "".join(out.text for out in pieces)
-                logprobs = [entry for out in pieces for entry in out.logprobs] if asked else None
-                counts = (last.prompt_tokens, last.completion_tokens)
-                return whole_answer(kind, req.rid, model, text, last.finish_reason, counts, logprobs)
+                pieces = [out async for out in client.outputs(rids, queue, first, request, deadline)]
+                choices, counts = whole_choices(rids, pieces, asked)
+                return whole_answer(kind, req.rid, model, choices, counts)
         except ClientGone:
-            client.abort(req.rid)
+            client.abort(rids)
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
         except TimeoutError:
-            client.abort(req.rid)
+            client.abort(rids)
             raise self.timed_out() from None
-        except asyncio.CancelledError:
-            client.abort(req.rid)
+        except (asyncio.CancelledError, InvalidRequest):  # (an error of one choice ends the others)
+            client.abort(rids)
             raise
         # During a stream Starlette itself notices a client that leaves: it cancels the body.
-        outputs = client.outputs(req.rid, queue, first, None, deadline)
-        events = self.events(req.rid, outputs, include_usage, model, kind, asked)
+        outputs = client.outputs(rids, queue, first, None, deadline)
+        events = self.events(req.rid, rids, outputs, include_usage, model, kind, asked)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(
         self,
         rid: str,
+        rids: list[str],
         outputs: AsyncIterator[OutputPiece],
         include_usage: bool,
         model: str,
         kind: str,
         asked: bool,
     ) -> AsyncIterator[str]:
-        """A streamed answer's SSE lines, in OpenAI's chunks for ``kind`` ("chat" or "completion");
-        ``asked``: the request wants log-probabilities, each chunk carries its tokens' entries."""
+        """A streamed answer's SSE lines, in OpenAI's chunks for ``kind`` ("chat" or "completion"),
+        the pieces of its choices (engine requests ``rids``) in the order they come; ``asked``: the
+        request wants log-probabilities, each chunk carries its tokens' entries."""
         created = int(time.time())
-        # stream_chunks builds a piece's chunks before it reads the next piece, so the entries of
-        # the pieces read so far are the ones the next text (or last) chunk carries. A piece with
-        # entries but no text (a token whose text is empty) passes them on to the next chunk.
-        unsent: list[LogprobEntry] = []
+        # stream_chunks builds a piece's chunks before it reads the next piece, so the piece read
+        # last says which choice the next chunk is, and which log-probability entries it carries
+        # (a piece with entries but no text, a token whose text is empty, passes them on to that
+        # choice's next chunk). Each piece carries the completion tokens of all the choices so far,
+        # so the usage chunk, made from the last piece, counts the whole request.
+        current = {"rid": rids[0]}
+        unsent: dict[str, list[LogprobEntry]] = {r: [] for r in rids}
+        generated: dict[str, int] = {}
 
-        async def noting_logprobs(pieces: AsyncIterator[OutputPiece]) -> AsyncIterator[OutputPiece]:
+        async def noting(pieces: AsyncIterator[OutputPiece]) -> AsyncIterator[OutputPiece]:
             async for piece in pieces:
-                unsent.extend(piece.logprobs)
-                yield piece
+                current["rid"] = piece.rid
+                unsent[piece.rid].extend(piece.logprobs)
+                generated[piece.rid] = piece.completion_tokens
+                yield replace(piece, completion_tokens=sum(generated.values()))
 
         def make_chunk(text, finish_reason, usage_):
-            logprobs = None
+            choice, logprobs = current["rid"], None
             if asked and text is not None:
-                logprobs = unsent[:]
-                unsent.clear()
+                logprobs, unsent[choice] = unsent[choice], []
+            index = rids.index(choice)
             if kind == "chat":
                 delta = None if text is None else ({"content": text} if text else {})
-                return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs)
-            return completion_chunk(rid, model, created, text, finish_reason, usage_, logprobs)
+                return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
+            return completion_chunk(rid, model, created, text, finish_reason, usage_, logprobs, index)
 
         try:
-            if kind == "chat":  # OpenAI's first chunk names the role
-                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-            async for line in stream_chunks(noting_logprobs(outputs), make_chunk, include_usage):
+            if kind == "chat":  # OpenAI's first chunk of each choice names the role
+                for index in range(len(rids)):
+                    yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=index))
+            async for line in stream_chunks(noting(outputs), make_chunk, include_usage):
                 yield line
         # Cut short (a worker's error, the server stopping, the time limit): a last event with
         # OpenAI's error body, and the stream still ends properly, so a client knows.
@@ -245,7 +299,7 @@ class OpenAIServing:
             raise
         finally:
             assert self.client is not None
-            self.client.abort(rid)  # a no-op unless it is still in flight (the client went away)
+            self.client.abort(rids)  # a no-op for those no longer in flight (else the client went away)
 
 
 def create_app(
@@ -330,7 +384,7 @@ def create_app(
         async def ask_workers(message) -> dict:
             client = serving.client
             assert client is not None
-            queue = client.open(message.rid)
+            queue = client.open([message.rid])
             client.send(message)
             try:
                 answer = await asyncio.wait_for(queue.get(), timeout=60)

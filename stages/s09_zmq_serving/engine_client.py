@@ -12,6 +12,9 @@ time is up::
 
 A request leaves the table when its last piece (or an error) arrives, or when it is aborted: a
 client that went away, a request past its time. The table's size is what the queue cap counts.
+
+An API request with ``n`` choices is n engine requests (n rids) sharing one queue: each piece
+names its rid, and the handler reads until every one of them has finished.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before tryi
 class OutputPiece:
     """One piece of one request's answer, as its handler reads it from its queue."""
 
+    rid: str  # the engine request (one choice of the API request) it belongs to
     text: str
     finish_reason: str | None  # "stop" / "length" on the last piece
     prompt_tokens: int
@@ -86,6 +90,7 @@ class EngineClient:
                     if queue is not None:
                         queue.put_nowait(
                             OutputPiece(
+                                rid,
                                 message.texts[i],
                                 finish,
                                 message.prompt_tokens[i],
@@ -110,10 +115,12 @@ class EngineClient:
             queue.put_nowait(ErrorOut(rid, message, status))
         self.queues.clear()
 
-    def open(self, rid: str, max_in_flight: int | None = None) -> asyncio.Queue:
+    def open(self, rids: list[str], max_in_flight: int | None = None) -> asyncio.Queue:
+        """One queue for the engine requests ``rids`` (an API request's choices), all of them
+        counted against ``max_in_flight``: a request whose choices do not all fit is refused whole."""
         if self.fatal is not None:
             raise rejection(self.fatal)
-        if max_in_flight is not None and len(self.queues) >= max_in_flight:
+        if max_in_flight is not None and len(self.queues) + len(rids) > max_in_flight:
             raise InvalidRequest(
                 f"the server is overloaded: {len(self.queues)} requests are in flight, the most it "
                 f"accepts; retry after {RETRY_AFTER_S} s",
@@ -122,12 +129,16 @@ class EngineClient:
                 code="server_overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        queue = self.queues[rid] = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()
+        for rid in rids:
+            self.queues[rid] = queue
         return queue
 
-    def abort(self, rid: str) -> None:
-        if self.queues.pop(rid, None) is not None:  # still in flight
-            self.send(AbortReq(rid))
+    def abort(self, rids: list[str]) -> None:
+        """End the engine requests ``rids`` that are still in flight (a no-op for the others)."""
+        for rid in rids:
+            if self.queues.pop(rid, None) is not None:
+                self.send(AbortReq(rid))
 
     async def next_output(self, queue: asyncio.Queue, request: Request | None, deadline: float | None):
         """The next item of a request's queue. With ``request``, raise ClientGone if its client
@@ -152,15 +163,18 @@ class EngineClient:
             getter.cancel()
 
     async def outputs(
-        self, rid: str, queue: asyncio.Queue, first, request: Request | None, deadline: float | None
+        self, rids: list[str], queue: asyncio.Queue, first, request: Request | None, deadline: float | None
     ) -> AsyncIterator[OutputPiece]:
-        """A request's answer, piece by piece (starting with ``first``), until it is finished.
-        A worker error after the start raises InvalidRequest."""
-        item = first
+        """The answer of the engine requests ``rids`` (sharing ``queue``), piece by piece as they
+        come (starting with ``first``), until every one has finished. A worker error raises
+        InvalidRequest."""
+        running, item = set(rids), first
         while True:
             if isinstance(item, ErrorOut):
                 raise rejection(item)
             yield item
             if item.finish_reason is not None:
-                return
+                running.discard(item.rid)
+                if not running:
+                    return
             item = await self.next_output(queue, request, deadline)

@@ -11,12 +11,14 @@ What a field means, and what this server does with it:
     stop                       a string or a list of strings, trimmed from the text
     stream stream_options      SSE chunks; include_usage adds a last chunk with the counts
     name (of a message)        passed to the chat template; refused if the template drops it
+    n                          1..16 choices: n engine requests whose prompt the radix cache
+                               computes once; choice i samples with seed + i
     logprobs top_logprobs      chat: logprobs true, top_logprobs 0..20; completions: logprobs 0..5;
                                each output token's log-probability under the model's own
                                distribution (stage 2's logprobs.py), in OpenAI's two shapes
 
-A field that would change the result and that this server does not do (n > 1, tools, penalties,
-logit_bias, ...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
+A field that would change the result and that this server does not do (tools, penalties,
+logit_bias, best_of, ...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
 is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
 
 Every field has explicit bounds (``check_limits``; the table is in the README): a string must be
@@ -46,6 +48,7 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a mode
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longer lists
 MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
 MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
+MAX_CHOICES = 16  # n: each choice is a request of its own in the engine (OpenAI allows 128)
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (OpenAI's limit; chat's top_logprobs go to 20)
 # An error message longer than this is cut: a malformed 400 KB regex once came back as a 1.6 MB
 # error, quoted four times by the grammar library
@@ -149,11 +152,6 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
     """Reject the fields that would change the result and that this server does not implement
     (and stream_options without a stream, which OpenAI refuses too)."""
     unsupported: list[tuple[str, object, str]] = [
-        (
-            "n",
-            request.n not in (None, 1),
-            "n > 1 (several choices per request) is not supported; send n=1 or leave it out",
-        ),
         (  # OpenAI refuses it too: options of a stream that is not one
             "stream_options",
             request.stream_options is not None and not request.stream,
@@ -223,6 +221,8 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
             f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the vocabulary), got {request.top_k}",
             param="top_k",
         )
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}] (choices per request), got {request.n}", param="n")
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {request.seed}", param="seed")
     for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
@@ -426,30 +426,35 @@ def completion_logprobs(entries: list[LogprobEntry]) -> dict:
     }
 
 
-def whole_answer(
-    kind: str,
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    counts: tuple[int, int],
-    logprobs: list[LogprobEntry] | None = None,
-) -> dict:
+@dataclass
+class Choice:
+    """One of an answer's n choices, whole: its text, why it ended, its tokens' log-probability
+    entries (None if the request did not ask)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: list[LogprobEntry] | None = None
+
+
+def whole_answer(kind: str, rid: str, model: str, choices: list[Choice], counts: tuple[int, int]) -> dict:
     """A whole (not streamed) answer of ``kind``, "chat" or "completion"; ``counts``: its prompt
-    and completion tokens; ``logprobs``: its tokens' entries, None if the request did not ask."""
-    choice: dict[str, Any]
-    if kind == "chat":
-        shown = None if logprobs is None else chat_logprobs(logprobs)
-        obj, choice = "chat.completion", {"message": {"role": "assistant", "content": text}, "logprobs": shown}
-    else:
-        shown = None if logprobs is None else completion_logprobs(logprobs)
-        obj, choice = "text_completion", {"text": text, "logprobs": shown}
+    tokens (once, however many choices) and its completion tokens (all choices')."""
+
+    def shown(choice: Choice) -> dict[str, Any]:
+        if kind == "chat":
+            logprobs = None if choice.logprobs is None else chat_logprobs(choice.logprobs)
+            return {"message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs}
+        logprobs = None if choice.logprobs is None else completion_logprobs(choice.logprobs)
+        return {"text": choice.text, "logprobs": logprobs}
+
     return {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": i, **shown(choice), "finish_reason": choice.finish_reason} for i, choice in enumerate(choices)
+        ],
         "usage": usage(*counts),
     }
 
@@ -462,13 +467,15 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage_: dict | None = None,
     logprobs: list[LogprobEntry] | None = None,
+    index: int = 0,
 ) -> dict:
     """One SSE chunk of a streamed chat; ``delta=None`` makes the usage-only chunk (no choices);
-    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask)."""
+    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask); ``index``:
+    the choice it belongs to."""
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     shown = None if logprobs is None else chat_logprobs(logprobs)
     chunk["choices"] = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}]
+        [] if delta is None else [{"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}]
     )
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -483,13 +490,15 @@ def completion_chunk(
     finish_reason: str | None = None,
     usage_: dict | None = None,
     logprobs: list[LogprobEntry] | None = None,
+    index: int = 0,
 ) -> dict:
     """One SSE chunk of a streamed completion; ``text=None`` makes the usage-only chunk;
-    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask)."""
+    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask); ``index``:
+    the choice it belongs to."""
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model}
     shown = None if logprobs is None else completion_logprobs(logprobs)
     chunk["choices"] = (
-        [] if text is None else [{"index": 0, "text": text, "logprobs": shown, "finish_reason": finish_reason}]
+        [] if text is None else [{"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}]
     )
     if usage_ is not None:
         chunk["usage"] = usage_

@@ -4,7 +4,7 @@ to its text (the entries' bytes spell it) and to the alternatives asked for."""
 
 from __future__ import annotations
 
-from soak_serving import SCHEMAS, grammar_problems, logprob_problems
+from soak_serving import SCHEMAS, grammar_problems, logprob_problems, stream_problems
 
 TAGGED = SCHEMAS[1]  # properties n, then tag
 
@@ -51,3 +51,16 @@ def test_logprobs_that_spell_the_text_pass_and_the_others_do_not():
     ]
     assert logprob_problems(False, {"logprobs": 0}, completion, "hé") == []
     assert logprob_problems(True, body, [{"logprobs": None}], "h"), "asked and got none: a problem"
+
+
+def chunk(index: int, text: str, finish: str | None = None) -> dict:
+    return {"object": "text_completion", "choices": [{"index": index, "text": text, "finish_reason": finish}]}
+
+
+def test_a_stream_of_n_choices_ends_each_choice_once():
+    good = [chunk(0, "a"), chunk(1, "b"), chunk(1, "", "length"), chunk(0, "", "stop")]
+    assert stream_problems(good, False, False, n=2) == []
+    assert any("choice 1" in p for p in stream_problems(good[:2] + good[3:], False, False, n=2))
+    assert any("0..2" in p for p in stream_problems(good, False, False, n=3)), "a missing choice is a problem"
+    twice = [chunk(0, "a", "stop"), chunk(0, "", "stop")]
+    assert stream_problems(twice, False, False) != []

@@ -310,11 +310,12 @@ def stream_concurrently(server: Server, kind: str, requests_: list[dict]) -> lis
 
 
 def check_stream_shape(chunks: list[dict], kind: str, request: dict, what: str) -> None:
-    """A streamed answer's chunks (JSON, without [DONE]): the right object, exactly one finish
-    reason, on the last chunk with a choice; then a usage-only chunk (no choices) if and only if
-    the request asked for it with stream_options.include_usage (tools/soak_serving.py checks)."""
+    """A streamed answer's chunks (JSON, without [DONE]): the right object, for each of its n
+    choices exactly one finish reason, on that choice's last chunk; then a usage-only chunk (no
+    choices) if and only if the request asked for it with stream_options.include_usage
+    (tools/soak_serving.py checks)."""
     asked = bool((request.get("stream_options") or {}).get("include_usage"))
-    problems = stream_problems(chunks, kind == "chat", asked)
+    problems = stream_problems(chunks, kind == "chat", asked, request.get("n") or 1)
     assert not problems, f"{what}: " + "; ".join(problems)
 
 

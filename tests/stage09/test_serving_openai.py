@@ -309,3 +309,63 @@ def test_logprobs_equal_the_offline_engines(tiny_server):
                 assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text), (
                     f"{what}: text_offset is where each token's text starts: got {offsets} for {text!r} ({starts})"
                 )
+
+
+def test_n_choices_each_follow_their_own_seed(tiny_server):
+    """n choices: numbered 0..n-1, choice i what the offline engine gives with seed + i, the prompt
+    counted once in usage and every choice's tokens in completion_tokens; streamed (with logprobs),
+    each choice's chunks carry its index, its own entries, and end once."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
+    messages = [{"role": "user", "content": "Tell me about ünïcode."}]
+    sampled = [SamplingParams(temperature=0.9, seed=40 + i, max_new_tokens=12) for i in range(3)]
+    expected = offline_outputs(engine, [messages] * 3, sampled)
+    answer = client.chat.completions.create(
+        model=path.name, messages=messages, max_tokens=12, temperature=0.9, seed=40, n=3
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2], f"n=3 gives choices 0, 1, 2; got {answer.choices}"
+    for choice, want in zip(answer.choices, expected):
+        assert (choice.message.content, choice.finish_reason) == (want.text, want.finish_reason.type), (
+            f"choice {choice.index} of n=3 with seed 40 should be the offline engine's answer with seed "
+            f"{40 + choice.index}: {want.text!r} ({want.finish_reason}); got {choice.message.content!r}"
+        )
+    assert len({c.message.content for c in answer.choices}) > 1, "three sampled choices came back identical"
+    usage = answer.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        expected[0].prompt_tokens,
+        sum(e.output_tokens for e in expected),
+    ), f"usage counts the prompt once and every choice's tokens; got {usage}"
+
+    prompt = "héllo"
+    params = [
+        SamplingParams(temperature=0.9, seed=7 + i, max_new_tokens=10, ignore_eos=True, logprobs=1) for i in (0, 1)
+    ]
+    expected = offline_outputs(engine, [tokenizer.encode(prompt)] * 2, params)
+    request = dict(
+        model=path.name,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0.9,
+        seed=7,
+        n=2,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [chunk.model_dump() for chunk in client.completions.create(**request)]
+    check_stream_shape(chunks, "completion", request, "a streamed completion with n=2")
+    texts, entries = ["", ""], [[], []]
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+            entries[choice["index"]] += (choice["logprobs"] or {}).get("token_logprobs", [])
+    for i, want in enumerate(expected):
+        assert texts[i] == want.text, (
+            f"streamed choice {i}: {texts[i]!r}, the offline engine's (seed {7 + i}) {want.text!r}"
+        )
+        values = [e.logprob for e in want.logprobs]
+        assert len(entries[i]) == len(values) and all(abs(a - b) < 1e-4 for a, b in zip(entries[i], values)), (
+            f"streamed choice {i}: its chunks carry the logprobs {entries[i]}, the offline engine's are {values}"
+        )
+    assert chunks[-1]["usage"]["completion_tokens"] == 20, f"two choices of 10 tokens: {chunks[-1]['usage']}"
