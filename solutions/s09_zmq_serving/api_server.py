@@ -107,17 +107,16 @@ def choices_of(req: GenerateReqInput, n: int) -> list[GenerateReqInput]:
 
 def whole_choices(rids: list[str], pieces: list[OutputPiece], asked: bool) -> tuple[list[Choice], tuple[int, int]]:
     """The choices of a whole answer from the pieces of its engine requests ``rids`` (in any
-    order), and its (prompt, completion) token counts: the prompt once, every choice's tokens."""
+    order, as ``EngineClient.outputs`` gives them), and its (prompt, completion) token counts: the
+    prompt once, every choice's tokens (the last piece's)."""
     choices = {rid: Choice("", None, [] if asked else None) for rid in rids}
-    generated: dict[str, int] = {}
     for piece in pieces:
         choice = choices[piece.rid]
         choice.text += piece.text
         choice.finish_reason = piece.finish_reason or choice.finish_reason
         if choice.logprobs is not None:
             choice.logprobs += piece.logprobs
-        generated[piece.rid] = piece.completion_tokens
-    return [choices[rid] for rid in rids], (pieces[-1].prompt_tokens, sum(generated.values()))
+    return [choices[rid] for rid in rids], (pieces[-1].prompt_tokens, pieces[-1].completion_tokens)
 
 
 class DebugFault(BaseModel):
@@ -265,18 +264,16 @@ class OpenAIServing:
         # stream_chunks builds a piece's chunks before it reads the next piece, so the piece read
         # last says which choice the next chunk is, and which log-probability entries it carries
         # (a piece with entries but no text, a token whose text is empty, passes them on to that
-        # choice's next chunk). Each piece carries the completion tokens of all the choices so far,
-        # so the usage chunk, made from the last piece, counts the whole request.
+        # choice's next chunk). The usage chunk is made from the last piece, whose counts are the
+        # whole request's (EngineClient.outputs).
         current = {"rid": rids[0]}
         unsent: dict[str, list[LogprobEntry]] = {r: [] for r in rids}
-        generated: dict[str, int] = {}
 
         async def noting(pieces: AsyncIterator[OutputPiece]) -> AsyncIterator[OutputPiece]:
             async for piece in pieces:
                 current["rid"] = piece.rid
                 unsent[piece.rid].extend(piece.logprobs)
-                generated[piece.rid] = piece.completion_tokens
-                yield replace(piece, completion_tokens=sum(generated.values()))
+                yield piece
 
         def make_chunk(text, finish_reason, usage_):
             choice, logprobs = current["rid"], None

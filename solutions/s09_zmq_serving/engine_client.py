@@ -20,7 +20,7 @@ names its rid, and the handler reads until every one of them has finished.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import zmq
@@ -42,7 +42,7 @@ class OutputPiece:
     text: str
     finish_reason: str | None  # "stop" / "length" on the last piece
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # its engine request's so far (outputs() sums the request's choices)
     logprobs: list[LogprobEntry]  # the entries of this piece's tokens (a request that asked for them)
 
 
@@ -166,13 +166,15 @@ class EngineClient:
         self, rids: list[str], queue: asyncio.Queue, first, request: Request | None, deadline: float | None
     ) -> AsyncIterator[OutputPiece]:
         """The answer of the engine requests ``rids`` (sharing ``queue``), piece by piece as they
-        come (starting with ``first``), until every one has finished. A worker error raises
-        InvalidRequest."""
-        running, item = set(rids), first
+        come (starting with ``first``), until every one has finished. Each piece's
+        completion_tokens are the whole API request's so far (every choice's), so the last piece
+        holds its usage. A worker error raises InvalidRequest."""
+        running, generated, item = set(rids), {}, first
         while True:
             if isinstance(item, ErrorOut):
                 raise rejection(item)
-            yield item
+            generated[item.rid] = item.completion_tokens
+            yield replace(item, completion_tokens=sum(generated.values()))
             if item.finish_reason is not None:
                 running.discard(item.rid)
                 if not running:

@@ -426,6 +426,13 @@ def completion_logprobs(entries: list[LogprobEntry]) -> dict:
     }
 
 
+def logprobs_field(kind: str, entries: list[LogprobEntry] | None) -> dict | None:
+    """A choice's "logprobs" in ``kind``'s shape ("chat" or "completion"); None if not asked."""
+    if entries is None:
+        return None
+    return chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries)
+
+
 @dataclass
 class Choice:
     """One of an answer's n choices, whole: its text, why it ended, its tokens' log-probability
@@ -441,11 +448,10 @@ def whole_answer(kind: str, rid: str, model: str, choices: list[Choice], counts:
     tokens (once, however many choices) and its completion tokens (all choices')."""
 
     def shown(choice: Choice) -> dict[str, Any]:
-        if kind == "chat":
-            logprobs = None if choice.logprobs is None else chat_logprobs(choice.logprobs)
-            return {"message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs}
-        logprobs = None if choice.logprobs is None else completion_logprobs(choice.logprobs)
-        return {"text": choice.text, "logprobs": logprobs}
+        content = (
+            {"message": {"role": "assistant", "content": choice.text}} if kind == "chat" else {"text": choice.text}
+        )
+        return {**content, "logprobs": logprobs_field(kind, choice.logprobs)}
 
     return {
         "id": rid,
@@ -473,7 +479,7 @@ def chat_chunk(
     ``logprobs``: the entries of this chunk's tokens (None: the request did not ask); ``index``:
     the choice it belongs to."""
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    shown = None if logprobs is None else chat_logprobs(logprobs)
+    shown = logprobs_field("chat", logprobs)
     chunk["choices"] = (
         [] if delta is None else [{"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}]
     )
@@ -496,7 +502,7 @@ def completion_chunk(
     ``logprobs``: the entries of this chunk's tokens (None: the request did not ask); ``index``:
     the choice it belongs to."""
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    shown = None if logprobs is None else completion_logprobs(logprobs)
+    shown = logprobs_field("completion", logprobs)
     chunk["choices"] = (
         [] if text is None else [{"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}]
     )
