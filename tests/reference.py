@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 
 @functools.lru_cache(maxsize=8)
@@ -52,6 +53,67 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, eos: tup
 def hf_greedy(path: str | Path, prompt: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()) -> list[int]:
     """transformers' greedy continuation of ``prompt``; stops after an ``eos`` id (kept in the output)."""
     return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, tuple(eos)))
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's frequency and presence penalties as its documentation defines them: logit
+    - frequency * count - presence * (count > 0), counting the output so far (transformers has
+    no processor for them; its repetition penalty and sequence bias are used as they are)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        output = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _hf_penalized_greedy(
+    path: str,
+    prompt: tuple[int, ...],
+    max_new_tokens: int,
+    repetition: float,
+    frequency: float,
+    presence: float,
+    bias: tuple[tuple[int, float], ...],
+) -> tuple[int, ...]:
+    model = hf_model(path)
+    processors = LogitsProcessorList()
+    if repetition != 1:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition))
+    if frequency or presence:
+        processors.append(OpenAIPenalties(len(prompt), frequency, presence))
+    if bias:
+        processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in bias}))
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample, config.max_new_tokens, config.eos_token_id, config.pad_token_id = False, max_new_tokens, [], 0
+    config.repetition_penalty = 1.0  # only the processors above
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=processors
+        )
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+def hf_penalized_greedy(path: str | Path, prompt: Sequence[int], max_new_tokens: int, params) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (no EOS: max_new_tokens tokens) under
+    ``params``' penalties, in the engine's order: transformers' repetition penalty, OpenAI's
+    frequency and presence penalties, transformers' sequence bias as logit_bias."""
+    bias = tuple(sorted(params.logit_bias.items()))
+    return list(
+        _hf_penalized_greedy(
+            str(path),
+            tuple(prompt),
+            max_new_tokens,
+            params.repetition_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+            bias,
+        )
+    )
 
 
 def hf_last_logits(path: str | Path, prompt: Sequence[int]) -> torch.Tensor:

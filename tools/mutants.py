@@ -299,6 +299,49 @@ MUTANTS: list[Mutant] = [
         ),
         r"logprobs=0|likeliest",
     ),
+    Mutant(
+        "s02-frequency-penalty-no-range",
+        "s02_request_and_sampling/sampling_params.py",
+        "frequency_penalty and presence_penalty lie in [-2, 2] (OpenAI's range): refuse others when the params "
+        "are built",
+        edit(
+            'self.frequency_penalty = _in_range("frequency_penalty", self.frequency_penalty, PENALTY_RANGE)',
+            'self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty)',
+        ),
+        r"frequency_penalty=2.5\) was accepted",
+    ),
+    Mutant(
+        "s02-repetition-divides-negative-logits",
+        "s02_request_and_sampling/penalties.py",
+        "the repetition penalty DIVIDES a positive logit and MULTIPLIES a negative one: dividing a negative logit "
+        "by r > 1 makes a repeat more likely",
+        edit("x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)", "x = torch.where(seen, x / r, x)"),
+        r"NEGATIVE one multiplied",
+    ),
+    Mutant(
+        "s02-presence-counts-every-occurrence",
+        "s02_request_and_sampling/penalties.py",
+        "the presence penalty is subtracted ONCE per token present in the output, however often it appears",
+        edit("x = x - frequency * counts - presence * in_output", "x = x - frequency * counts - presence * counts"),
+        r"once per token present",
+    ),
+    Mutant(
+        "s02-penalties-in-place",
+        "s02_request_and_sampling/penalties.py",
+        "penalties work on a copy: the logits given stay the model's own (the log-probabilities are read from them)",
+        edit("out = logits.to(torch.float32, copy=True)", "out = logits.float()"),
+        r"leave the logits it was given",
+    ),
+    Mutant(
+        "s02-bias-before-the-penalties",
+        "s02_request_and_sampling/penalties.py",
+        "logit_bias is added AFTER the penalties (the repetition penalty scales the model's own logits, not the bias)",
+        (
+            ("    x = out[rows]\n", "    x = out[rows]\n    x = x + _stack([s.bias for s in states], like=x[0])\n"),
+            ("        x = x + _stack([s.bias for s in states], like=counts[0])\n", "        pass\n"),
+        ),
+        r"added after the penalty",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
         "s03-attend-new-tokens-only",

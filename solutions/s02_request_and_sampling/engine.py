@@ -18,7 +18,7 @@ from s01_naive_generate.generate import next_token_logits
 
 from .logprobs import TokenLogprob, token_logprobs
 from .req import FinishReason, Req
-from .sampler import sample
+from .sampler import sample_with_penalties
 from .sampling_params import SamplingParams
 
 # A prompt is text, chat messages, or token ids that are used as they are.
@@ -56,11 +56,15 @@ def encode(tokenizer: Tokenizer | None, prompt: PromptInput) -> list[int]:
 
 def check_fits_the_vocabulary(ids: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
     """What only the model can tell about a request: every prompt id must have a row in its
-    embedding (one beyond it fails deep inside the forward pass, as "index out of range"), and
-    top_k must be at most the vocabulary (a larger one overflows the sampler's int64 tensors)."""
+    embedding (one beyond it fails deep inside the forward pass, as "index out of range"), top_k
+    must be at most the vocabulary (a larger one overflows the sampler's int64 tensors), and so
+    must logit_bias's token ids (each one is a column of the logits)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}")
+    bad = [t for t in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}) (the vocabulary), got {bad[:5]}")
     if params.top_k > vocab_size:
         raise ValueError(f"top_k must be -1 (off) or in [1, {vocab_size}] (the vocabulary), got {params.top_k}")
 
@@ -119,7 +123,7 @@ def append_sampled(reqs: Sequence[Req], logits: torch.Tensor) -> None:
     """Each request samples its next token from its row of ``logits`` ([B, V], row i is
     reqs[i]'s), appends it with its log-probabilities (those who asked), and checks whether it
     is done. Every engine's step ends here, from this stage's to stage 7's scheduler."""
-    token_ids = sample(logits, reqs)
+    token_ids = sample_with_penalties(logits, reqs)
     for req, token_id, logprob in zip(reqs, token_ids.tolist(), token_logprobs(logits, token_ids, reqs)):
         req.append_token(token_id, logprob)
         req.check_finished()

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from .penalties import apply_penalties, count_sampled
 from .req import Req
 
 
@@ -122,3 +123,12 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return torch.where(torch.tensor(greedy, device=device), argmax, sampled)
     # END EXERCISE
+
+
+def sample_with_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """What every engine's step calls: each request's penalties and logit_bias reshape its row
+    (penalties.py; ``logits`` itself is left as it is), ``sample`` draws, and the drawn tokens are
+    counted for the next step's penalties."""
+    token_ids = sample(apply_penalties(logits, reqs), reqs)
+    count_sampled(reqs, token_ids)
+    return token_ids

@@ -17,6 +17,11 @@ from numbers import Integral, Real
 GREEDY_TEMPERATURE = 1e-7
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 MAX_LOGPROBS = 20  # the most alternatives per token a caller may ask for (OpenAI's top_logprobs allows 20)
+# Below 0.01 a repeated token's logit is multiplied past anything the model produces (and at
+# float32's smallest numbers, to infinity); above 2 a token seen once is as good as banned.
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
+PENALTY_RANGE = (-2.0, 2.0)  # frequency_penalty and presence_penalty (OpenAI's range)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, +100 all but forces it
 
 
 @dataclass
@@ -33,6 +38,11 @@ class SamplingParams:
     # None: no log-probabilities; k: each output token's log-probability and the k most likely
     # tokens' at its position (0 = the token's own only); see logprobs.py
     logprobs: int | None = None
+    # How the request's own history reshapes its logits before the draw (penalties.py):
+    repetition_penalty: float = 1.0  # a token in the prompt or output: logit / r if > 0, else * r; 1 = off
+    frequency_penalty: float = 0.0  # minus f for every time the token is already in the output
+    presence_penalty: float = 0.0  # minus p once the token is in the output at all
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         # Normalise the convenient spellings first, so validation sees one shape.
@@ -43,6 +53,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is None:
+            self.logit_bias = {}
         self._validate()
 
     def _validate(self) -> None:
@@ -82,12 +94,34 @@ class SamplingParams:
                 raise ValueError(
                     f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
                 )
+        self.repetition_penalty = _in_range("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY_RANGE)
+        self.frequency_penalty = _in_range("frequency_penalty", self.frequency_penalty, PENALTY_RANGE)
+        self.presence_penalty = _in_range("presence_penalty", self.presence_penalty, PENALTY_RANGE)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.60}")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            token = _integer("logit_bias keys", token)
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+            bias[token] = _in_range(f"logit_bias[{token}]", value, LOGIT_BIAS_RANGE)
+        self.logit_bias = bias
         # END EXERCISE
 
     @property
     def is_greedy(self) -> bool:
         """True when only the most likely token can ever be picked: no randomness at all."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the request's history or a bias changes its logits (penalties.py has work to do)."""
+        return (
+            self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or bool(self.logit_bias)
+        )
 
 
 def _real(name: str, value) -> float:
@@ -97,6 +131,14 @@ def _real(name: str, value) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def _in_range(name: str, value, bounds: tuple[float, float]) -> float:
+    value = _real(name, value)
+    low, high = bounds
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
     return value
 
 

@@ -24,7 +24,7 @@ import torch
 from s00_foundation.forward_batch import ForwardBatch
 from s02_request_and_sampling.logprobs import TokenLogprob, token_logprobs
 from s02_request_and_sampling.req import Req
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.sampler import sample_with_penalties
 
 from .future_map import FutureMap
 
@@ -104,10 +104,11 @@ class OverlapWorker:
         return tokens, token_logprobs(logits, tokens, sample_reqs)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """One token per row (stage 2's sampler); stage 11 masks the logits first, where the full
-        logits are, never inside the model's forward. ``logits`` must stay as they are: the
-        requests' log-probabilities are read from them afterwards."""
-        return sample(logits, reqs)
+        """One token per row (stage 2's sampler, penalties included: their counts are kept here, on
+        the worker, the one place that sees every token drawn); stage 11 masks the logits first,
+        where the full logits are, never inside the model's forward. ``logits`` must stay as they
+        are: the requests' log-probabilities are read from them afterwards."""
+        return sample_with_penalties(logits, reqs)
 
     def wait_idle(self) -> None:
         """Block until every step submitted so far has run (whether it succeeded or not)."""

@@ -24,6 +24,7 @@ import torch
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .logprobs import TokenLogprob
+from .penalties import PenaltyState
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only types: stage 2 never imports stage 5 or 11 at run time
@@ -94,6 +95,9 @@ class Req:
         self.output_ids: list[int] = []
         # One per output token when sampling_params.logprobs is set (whoever samples appends it)
         self.output_logprobs: list[TokenLogprob] = []
+        # The tokens drawn so far as the penalties count them (penalties.py): made and kept by the
+        # sampler alone (under stage 10's overlap, on the worker's thread); None without penalties
+        self.penalty_state: PenaltyState | None = None
         self.sampling_params = sampling_params
         # The tokenizer turns output ids into text: needed for stop strings and output_text.
         self.tokenizer = tokenizer

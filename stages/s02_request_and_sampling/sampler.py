@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from .penalties import apply_penalties, count_sampled
 from .req import Req
 
 
@@ -69,3 +70,12 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     raise NotImplementedError(
         "Stage 2: one token per row: greedy, or temperature, masks and one draw per request - see stages/s02_request_and_sampling/README.md#the-sampler-logits-b-v--one-token-per-row"  # noqa: E501 (one message, the learner's to read whole)
     )
+
+
+def sample_with_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+    """What every engine's step calls: each request's penalties and logit_bias reshape its row
+    (penalties.py; ``logits`` itself is left as it is), ``sample`` draws, and the drawn tokens are
+    counted for the next step's penalties."""
+    token_ids = sample(apply_penalties(logits, reqs), reqs)
+    count_sampled(reqs, token_ids)
+    return token_ids

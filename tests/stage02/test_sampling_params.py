@@ -40,6 +40,22 @@ BAD = [
     ("logprobs", 21, "more than 20 alternatives"),
     ("logprobs", True, "a bool (say how many alternatives: 0 for the token's own only)"),
     ("logprobs", 2.0, "a float"),
+    ("repetition_penalty", 0, "0 (every repeated logit would become 0 or infinite)"),
+    ("repetition_penalty", -1.2, "a negative penalty (it flips the logits' signs)"),
+    ("repetition_penalty", 1e-300, "a penalty that float32 rounds to 0"),
+    ("repetition_penalty", 2.5, "more than 2"),
+    ("repetition_penalty", math.nan, "NaN"),
+    ("frequency_penalty", 2.5, "more than 2 (OpenAI's range is [-2, 2])"),
+    ("frequency_penalty", -3, "less than -2"),
+    ("frequency_penalty", math.inf, "infinity"),
+    ("presence_penalty", -2.01, "less than -2"),
+    ("presence_penalty", "high", "not a number"),
+    ("logit_bias", {5: 101}, "a bias over 100"),
+    ("logit_bias", {5: -math.inf}, "an infinite bias (-100 is OpenAI's ban)"),
+    ("logit_bias", {-1: 5}, "a negative token id"),
+    ("logit_bias", {"5": 5}, "a token id as a string"),
+    ("logit_bias", {5: True}, "a bool for a bias"),
+    ("logit_bias", [5, 1], "a list instead of {token id: bias}"),
 ]
 
 
@@ -69,6 +85,9 @@ GOOD: list[dict[str, Any]] = [
     dict(seed=2**64 - 1),
     dict(logprobs=0),
     dict(logprobs=20),
+    dict(repetition_penalty=1.3, frequency_penalty=-2, presence_penalty=2),
+    dict(repetition_penalty=0.01),
+    dict(logit_bias={0: -100, 7: 100, 3: 0.5}),
 ]
 
 
@@ -88,6 +107,11 @@ def test_defaults_and_normalisation():
     assert (default.temperature, default.top_k, default.top_p, default.min_p) == (1.0, -1, 1.0, 0.0)
     assert (default.stop, default.stop_token_ids, default.ignore_eos, default.seed) == ([], [], False, None)
     assert default.logprobs is None, f"by default no log-probabilities are computed, got logprobs={default.logprobs!r}"
+    penalties = (default.repetition_penalty, default.frequency_penalty, default.presence_penalty, default.logit_bias)
+    assert penalties == (1.0, 0.0, 0.0, {}) and not default.has_penalties, (
+        f"by default nothing is penalised (repetition 1, frequency 0, presence 0, no logit_bias), got {penalties}"
+    )
+    assert SamplingParams(logit_bias=None).logit_bias == {}, "logit_bias=None means no bias: an empty dict"
 
 
 @pytest.mark.parametrize(

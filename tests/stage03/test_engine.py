@@ -3,7 +3,14 @@ the same outputs as stage 2's engine."""
 
 from __future__ import annotations
 
-from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
+from reference import (
+    assert_logprobs_match,
+    assert_same_tokens,
+    engine_model,
+    engine_tokenizer,
+    hf_greedy,
+    hf_penalized_greedy,
+)
 from s02_request_and_sampling.engine import generate as stage2_generate
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -90,3 +97,27 @@ def test_logprobs_come_with_the_cached_steps(tiny_models_root):
     asked, not_asked = generate(model, tokenizer, PROMPTS[:2], params)
     assert not_asked.logprobs is None, f"a request without logprobs gets logprobs=None, got {not_asked.logprobs!r}"
     assert_logprobs_match(path, PROMPTS[0], asked, 2, "stage 3's engine, a sampled request with logprobs=2")
+
+
+def test_penalties_see_every_token_of_the_cached_steps(tiny_models_root):
+    """Penalties count the tokens the sampler drew: the cached engine must sample through
+    append_sampled (stage 2) to keep them. Greedy with penalties equals transformers'; sampled
+    with penalties equals stage 2's."""
+    path = tiny_models_root / "qwen3"
+    model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
+    penalised = SamplingParams(
+        temperature=0, max_new_tokens=20, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5
+    )
+    params = [
+        penalised,
+        SamplingParams(temperature=0.9, max_new_tokens=14, ignore_eos=True, seed=4, repetition_penalty=1.4),
+        SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True),
+    ]
+    got = generate(model, tokenizer, PROMPTS, params)
+    expected = hf_penalized_greedy(path, PROMPTS[0], 20, penalised)
+    assert expected != hf_greedy(path, PROMPTS[0], 20), "the test's penalties should change this greedy output"
+    assert_same_tokens(got[0].output_ids, expected, "stage 3, greedy with frequency and presence penalties", tokenizer)
+    sampled = stage2_generate(model, tokenizer, PROMPTS, params)[1]
+    assert_same_tokens(
+        got[1].output_ids, sampled.output_ids, "stage 3, sampled with repetition_penalty=1.4, vs stage 2"
+    )

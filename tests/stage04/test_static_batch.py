@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from penalty_cases import assert_penalties_like_stage3, penalised_params
 from recording import PassRecorder
 from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.req import Req
@@ -191,3 +192,12 @@ def test_default_model_static_batch_equals_transformers(default_model_dir):
             f"SmolLM2, request {i} of a static batch of {len(prompts)}",
             tok,
         )
+
+
+def test_penalties_in_a_static_batch(tiny_models_root):
+    """Each request's penalties follow its own row of the batch (through stage 2's append_sampled)."""
+    path = tiny_models_root / "qwen3"
+    prompts, params = [*PROMPTS, list(b"xyz")], penalised_params()
+    engine = StaticBatchEngine(engine_model(str(path)), pool_size=512, page_size=4, max_running_requests=5)
+    got = engine.generate(engine_tokenizer(str(path)), prompts, params)
+    assert_penalties_like_stage3(path, prompts, params, got, "a static batch of 5")

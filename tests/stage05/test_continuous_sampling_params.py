@@ -5,6 +5,7 @@ if it ran alone."""
 from __future__ import annotations
 
 from continuous_helpers import assert_pool_free, retraction_workload, tiny_engine
+from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
@@ -79,3 +80,17 @@ def test_logprobs_follow_each_request_through_retraction(tiny_models_root):
         else:
             assert_logprobs_match(path, prompt, out, params[i].logprobs, f"request {i} of a retracting batch")
     assert_pool_free(engine, "after a retracting batch with logprobs")
+
+
+def test_penalties_survive_retraction(tiny_models_root):
+    """Penalised requests in a batch so short of memory that some are retracted and recomputed:
+    their counts stay with the request (a recomputed prefill draws one token, counted once), so
+    every request gets stage 3's tokens."""
+    path = tiny_models_root / "llama3"
+    prompts, _ = retraction_workload()
+    params = (penalised_params(scale=2) * 4)[: len(prompts)]
+    engine, _, _ = tiny_engine(path, pool_size=128, max_running_requests=8, new_token_ratio=0.0)
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.stats.num_retractions > 0, "the workload should retract some requests (pool of 128 slots)"
+    assert_penalties_like_stage3(path, prompts, params, outputs, "a retracting batch")
+    assert_pool_free(engine, "after a retracting batch with penalties")

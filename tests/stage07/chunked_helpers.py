@@ -53,7 +53,7 @@ def random_prompt(length: int, seed: int) -> list[int]:
 def sampling_spy(what: str):
     """Wrap the sampler the scheduler calls: fail if a request is sampled before its whole
     prompt (fill_ids) has been computed. Yields the list of sampled request ids, in order."""
-    sampled, real_sample = [], stage2_engine.sample
+    sampled, real_sample = [], stage2_engine.sample_with_penalties
 
     def spy(logits, reqs):
         for req in reqs:
@@ -64,11 +64,11 @@ def sampling_spy(what: str):
             sampled.append(req.rid)
         return real_sample(logits, reqs)
 
-    stage2_engine.sample = spy
+    stage2_engine.sample_with_penalties = spy
     try:
         yield sampled
     finally:
-        stage2_engine.sample = real_sample
+        stage2_engine.sample_with_penalties = real_sample
 
 
 def run_checked(engine, prompts, params, what: str, max_steps: int = 20_000):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, random_prompt, run_checked
+from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match, assert_same_tokens, hf_greedy
 from s00_foundation.device import physical_cores
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -157,3 +158,21 @@ def test_logprobs_arrive_with_their_tokens(tiny_models_root, disable_overlap):
         assert streamed[req.rid] == req.output_logprobs, f"request {i}: the streamed entries differ from what it holds"
         out = request_output(req)
         assert_logprobs_match(path, prompts[i], out, params[i].logprobs, f"request {i} (overlap {not disable_overlap})")
+
+
+@pytest.mark.parametrize("knobs", ["plain", "small-pool-chunked"])
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_penalties_count_the_token_in_flight(tiny_models_root, disable_overlap, knobs):
+    """Under overlap the worker samples step N+1 before the scheduler has seen step N's token: the
+    penalty counts, kept by the sampler on the worker, already hold it. Same tokens as stage 3,
+    with retraction and chunked prefill too."""
+    path = tiny_models_root / "qwen3"
+    prompts = [random_prompt(n, seed=60 + n) for n in (4, 21, 9, 1, 14, 10, 6)]
+    params = (penalised_params() * 2)[: len(prompts)]
+    what = f"qwen3, {knobs}, {'no ' if disable_overlap else ''}overlap"
+    engine = engine_on(path, disable_overlap=disable_overlap, **KNOBS[knobs])
+    reqs, _ = run_checked(engine, prompts, params, what)
+    if "small-pool" in knobs:
+        assert engine.scheduler.stats.num_retractions > 0, f"{what}: the pool was meant to be too small"
+    assert_penalties_like_stage3(path, prompts, params, reqs, what)
+    assert_pool_free_after_tree(engine, what)

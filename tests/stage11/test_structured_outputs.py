@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from invariants import check_all
+from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match, hf_model
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s11_structured_output.grammar_backend import GrammarBackend
@@ -259,3 +260,26 @@ def test_logprobs_are_the_models_own_before_the_mask(tiny_llama, disable_overlap
     assert_follows(outputs[0].text, outputs[0].finish_reason, "json", SCHEMAS["flat"], "the flat schema")
     assert steered > 0, "the grammar forced no token away from the model's own choice: the test shows nothing"
     check_all(engine, "after a constrained batch with logprobs")
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
+def test_penalties_reshape_the_allowed_tokens_and_never_unmask(tiny_llama, disable_overlap):
+    """The grammar's mask wins over any penalty or bias (a forbidden token's -inf stays -inf
+    whatever is added or multiplied): a +100 bias on a forbidden token cannot bring it back, a -100 bias on
+    allowed ones keeps them out, and the free requests of the batch get stage 3's penalised tokens."""
+    engine = engine_on(tiny_llama, disable_overlap=disable_overlap, pool_size=2048)
+    regex, allowed = r"[0-9]{6}", set("789")
+    bias = {ord("x"): 100.0, **{ord(c): -100.0 for c in "0123456"}}
+    params = [
+        replace(constrained("regex", regex), logit_bias=bias, frequency_penalty=2.0),
+        replace(constrained("regex", regex, temperature=1.0, seed=3), logit_bias=bias, repetition_penalty=1.5),
+        *penalised_params()[:3],
+    ]
+    prompts = [[70, 33], [71, 33], [90, 91, 92], [80, 81], [60, 61, 62, 63]]
+    outputs = engine.generate(prompts, params)
+    for i, out in enumerate(outputs[:2]):
+        what = f"constrained request {i} with logit_bias +100 on 'x' and -100 on the digits 0-6"
+        assert_follows(out.text, out.finish_reason, "regex", regex, what)
+        assert set(out.text) <= allowed, f"{what}: only 7, 8 and 9 keep a chance, got {out.text!r}"
+    assert_penalties_like_stage3(tiny_llama, prompts[2:], params[2:], outputs[2:], "free requests beside grammars")
+    check_all(engine, "after a constrained batch with penalties")

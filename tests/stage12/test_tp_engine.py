@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, sampled
 
+from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
 
 from s00_foundation import cpu_ops
-from s02_request_and_sampling.sampler import sample
+from s02_request_and_sampling.sampler import sample_with_penalties
 from s10_overlap_scheduling import overlap_worker
 from s12_tensor_parallel.engine import TPEngine
 from structured_helpers import SCHEMAS, assert_follows, constrained  # noqa: E402
@@ -109,9 +110,9 @@ def test_rank_0_samples_from_the_whole_vocabulary_and_nothing_more(tp2, monkeypa
 
     def recording_sample(logits, reqs):
         seen.append(tuple(logits.shape))
-        return sample(logits, reqs)
+        return sample_with_penalties(logits, reqs)
 
-    monkeypatch.setattr(overlap_worker, "sample", recording_sample)
+    monkeypatch.setattr(overlap_worker, "sample_with_penalties", recording_sample)
     engine.generate(PROMPTS[:2], sampled(2, seed=7))
     vocab = engine.model.full_config.vocab_size
     assert seen and all(shape[-1] == vocab for shape in seen), (
@@ -127,6 +128,14 @@ def test_logprobs_under_tp_are_the_whole_vocabularys(tp2):
     params = [replace(sampled(6, seed=40 + i), logprobs=2) for i in range(2)]
     for i, out in enumerate(engine.generate(PROMPTS[:2], params)):
         assert_logprobs_match(path, PROMPTS[i], out, 2, f"{path.name}, tp=2, request {i}")
+
+
+def test_penalties_under_tp(tp2):
+    """Rank 0 samples, so rank 0 keeps the penalty counts, over the gathered (whole) vocabulary:
+    the tokens of stage 3's engine on one device."""
+    path, engine = tp2
+    prompts, params = [*PROMPTS[:3], [7, 8, 9], [50] * 6], penalised_params()
+    assert_penalties_like_stage3(path, prompts, params, engine.generate(prompts, params), f"{path.name}, tp=2")
 
 
 def test_a_grammar_is_followed_under_tp(tp2):
