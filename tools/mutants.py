@@ -1107,6 +1107,13 @@ MUTANTS: list[Mutant] = [
         r"SamplingParams.logprobs",
     ),
     Mutant(
+        "s09-logit-bias-not-passed",
+        "s09_zmq_serving/protocol.py",
+        "the request's penalties and logit_bias (its keys read as token ids) become SamplingParams' fields",
+        edit('        "logit_bias": token_bias(request),\n', ""),
+        r"logit_bias",
+    ),
+    Mutant(
         "s09-error-names-no-param",
         "s09_zmq_serving/protocol.py",
         "an invalid sampling field is refused with an error whose `param` names that field",

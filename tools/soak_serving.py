@@ -123,6 +123,8 @@ FIELDS = [
     "user",
     "response_format",
     "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
     "logit_bias",
     "not_a_field",
 ]
@@ -174,6 +176,10 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
         body.update({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if chat else {"logprobs": rng.randint(0, 5)})
     elif rng.random() < 0.2:  # several choices (their answers are checked by shape and count)
         body["n"] = rng.randint(2, 4)
+    if rng.random() < 0.2:  # penalties and a bias (the answer is checked by shape only)
+        body["presence_penalty"], body["frequency_penalty"] = rng.uniform(-2, 2), rng.uniform(-2, 2)
+        body["repetition_penalty"] = rng.uniform(0.5, 2)
+        body["logit_bias"] = {str(rng.randrange(0, 200)): rng.uniform(-100, 100) for _ in range(rng.randint(1, 4))}
     if rng.random() < 0.5:
         body["stream"] = True
         if rng.random() < 0.5:

@@ -16,9 +16,12 @@ What a field means, and what this server does with it:
     logprobs top_logprobs      chat: logprobs true, top_logprobs 0..20; completions: logprobs 0..5;
                                each output token's log-probability under the model's own
                                distribution (stage 2's logprobs.py), in OpenAI's two shapes
+    presence_penalty           -2..2 each, as OpenAI (stage 2's penalties.py); repetition_penalty
+    frequency_penalty          (0.01..2, transformers') is an extension (SGLang's and vLLM's too)
+    logit_bias                 {"token id": -100..100}: the key a token id of the vocabulary
 
-A field that would change the result and that this server does not do (tools, penalties,
-logit_bias, best_of, ...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
+A field that would change the result and that this server does not do (tools, echo, best_of,
+...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
 is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
 
 Every field has explicit bounds (``check_limits``; the table is in the README): a string must be
@@ -31,6 +34,7 @@ that cannot fit the context is refused by its length, before anyone spends time 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -116,6 +120,7 @@ class _SamplingFields(_Strict):
     top_p: Number | None = None
     top_k: int | None = None  # extension
     min_p: Number | None = None  # extension
+    repetition_penalty: Number | None = None  # extension
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -123,11 +128,10 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False  # extension
     regex: str | None = None  # extension (SGLang's): the output matches it; served by stage 11's engine
     user: Name | None = None  # only recorded by OpenAI: harmless to accept
-    # Accepted only at the value that changes nothing; anything else is a 400 (see check_supported).
     n: int | None = None
-    logprobs: Any = None
+    logprobs: Any = None  # chat: a bool, completions: an int (requested_logprobs)
     top_logprobs: int | None = None
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: dict[str, Number] | None = None  # JSON keys are strings: token ids spelled in decimal
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
 
@@ -156,17 +160,6 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
             "stream_options",
             request.stream_options is not None and not request.stream,
             "stream_options is only allowed with stream: true",
-        ),
-        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported by this server"),
-        (
-            "presence_penalty",
-            request.presence_penalty not in (None, 0),
-            "presence_penalty is not supported; leave it at 0",
-        ),
-        (
-            "frequency_penalty",
-            request.frequency_penalty not in (None, 0),
-            "frequency_penalty is not supported; leave it at 0",
         ),
     ]
     if isinstance(request, ChatCompletionRequest):
@@ -225,10 +218,14 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
         raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}] (choices per request), got {request.n}", param="n")
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {request.seed}", param="seed")
-    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         check_finite(field, getattr(request, field))
-    for key, value in (request.logit_bias or {}).items():
-        check_finite(f"logit_bias.{key}", value)
+    bad = [token for token in token_bias(request) if token >= limits.vocab_size]
+    if bad:
+        raise InvalidRequest(
+            f"logit_bias keys must be token ids in [0, {limits.vocab_size}) (the vocabulary), got {bad[:5]}",
+            param="logit_bias",
+        )
     stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
@@ -337,6 +334,24 @@ def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int]
     return None, list(prompt)
 
 
+TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: int() would also read " 5", "+5" and "５"
+
+
+def token_bias(request: ChatCompletionRequest | CompletionRequest) -> dict[int, float]:
+    """The request's logit_bias with its keys read as token ids (JSON keys are strings: "50256").
+    Raises InvalidRequest for a key that is not a token id or a value that is not finite."""
+    bias = {}
+    for key, value in (request.logit_bias or {}).items():
+        if not TOKEN_ID.fullmatch(key):
+            raise InvalidRequest(
+                f'logit_bias keys must be token ids written in decimal digits ("50256"), got {key!r:.40}',
+                param="logit_bias",
+            )
+        check_finite(f"logit_bias.{key}", value)
+        bias[int(key)] = value
+    return bias
+
+
 def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> int | None:
     """How many alternatives per token the request asks for (SamplingParams.logprobs), None if it
     asks for no log-probabilities. The two APIs spell it differently: a chat sends ``logprobs:
@@ -392,6 +407,10 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
         "min_p": request.min_p,
         "seed": request.seed,
         "stop": request.stop,
+        "repetition_penalty": request.repetition_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "presence_penalty": request.presence_penalty,
+        "logit_bias": token_bias(request),
     }
     try:
         params = SamplingParams(

@@ -156,6 +156,50 @@ def test_sampled_requests_with_a_seed_equal_the_offline_engine(tiny_server):
         )
 
 
+def test_penalties_and_logit_bias_reach_the_sampler(tiny_server):
+    """presence / frequency penalties and logit_bias (OpenAI's fields) and repetition_penalty (an
+    extension) give the offline engine's answer, streamed and not; a +100 bias on one token makes
+    a greedy answer of nothing else."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine = offline_engine(path, pool_size=4096)
+    messages = [{"role": "user", "content": "Tell me a story, a story, a story."}]
+    params = SamplingParams(
+        temperature=0.8,
+        seed=77,
+        max_new_tokens=16,
+        presence_penalty=0.7,
+        frequency_penalty=1.3,
+        repetition_penalty=1.2,
+        logit_bias={101: -100, 116: 4.5},
+    )
+    [expected] = offline_outputs(engine, [messages], params)
+    request = dict(
+        model=path.name,
+        messages=messages,
+        max_tokens=16,
+        temperature=0.8,
+        seed=77,
+        presence_penalty=0.7,
+        frequency_penalty=1.3,
+        logit_bias={"101": -100, "116": 4.5},
+        extra_body={"repetition_penalty": 1.2},
+    )
+    for stream in (False, True):
+        assert_same_answer(run(client, "chat", stream, **request), expected, f"a penalised chat, stream={stream}")
+    text, _, _ = run(
+        client,
+        "completion",
+        False,
+        model=path.name,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"65": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert text == "A" * 6, f"logit_bias {{65 ('A'): +100}} on a greedy completion should give 'AAAAAA', got {text!r}"
+
+
 def test_chat_on_the_default_model_equals_the_offline_engine(default_server):
     client, path = client_for(default_server), default_server.model
     engine = offline_engine(path, pool_size=2048)

@@ -22,6 +22,10 @@ def test_fields_become_sampling_params():
         seed=3,
         stop="END",
         ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        logit_bias={"7": -100, "42": 2.5},
     )
     params, fill = to_sampling_params(request)
     got = dict(
@@ -33,9 +37,24 @@ def test_fields_become_sampling_params():
         seed=params.seed,
         stop=params.stop,
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
     )
     expected = dict(
-        max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["END"], ignore_eos=True
+        max_new_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=3,
+        stop=["END"],
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        logit_bias={7: -100, 42: 2.5},
     )
     assert got == expected, f"the request's fields should map onto SamplingParams as {expected}, got {got}"
     assert fill is False, "max_tokens was given, so the request must not be told to run to the end of the context"
@@ -71,6 +90,11 @@ def test_defaults_and_max_completion_tokens():
         ("min_p", 2),
         ("seed", -1),
         ("stop", [""]),
+        ("presence_penalty", -2.5),
+        ("frequency_penalty", 3),
+        ("repetition_penalty", 2.5),
+        ("logit_bias", {"5": -101}),
+        ("logit_bias", {"x5": 1}),
     ],
 )
 def test_impossible_values_are_refused_naming_the_field(field, value):
