@@ -89,9 +89,10 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         r = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         seen = in_output | _stack([s.in_prompt for s in states], like=in_output[0])
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    x = x - frequency * counts - presence * in_output
+    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        x = x - frequency * counts - presence * in_output
     if any(s.bias is not None for s in states):
         x = x + _stack([s.bias for s in states], like=counts[0])
     out[rows] = x
