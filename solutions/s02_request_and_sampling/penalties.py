@@ -102,8 +102,11 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
 
 def count_sampled(reqs: Sequence[Req], token_ids: torch.Tensor) -> None:
     """Add each penalised request's new token (``token_ids[i]`` is reqs[i]'s, on the logits'
-    device) to its counts, for the next step's penalties. No value comes to the host."""
-    ones = torch.ones(len(reqs), device=token_ids.device)
-    for i, req in enumerate(reqs):
-        if req.penalty_state is not None:
-            req.penalty_state.output_counts.index_add_(0, token_ids[i : i + 1], ones[i : i + 1])
+    device) to its counts, for the next step's penalties. No value comes to the host, and a step
+    without penalised requests does nothing (this runs after every draw of every engine)."""
+    penalised = [i for i, req in enumerate(reqs) if req.penalty_state is not None]
+    if not penalised:
+        return
+    one = torch.ones(1, device=token_ids.device)
+    for i in penalised:
+        reqs[i].penalty_state.output_counts.index_add_(0, token_ids[i : i + 1], one)
