@@ -1,5 +1,5 @@
-"""One mixed batch of penalised requests for every engine from stage 3 on: the penalties count the
-tokens the sampler drew, so any engine that samples some other way, drops a step's token, or
+"""One mixed batch of penalised requests for every engine from stage 3 on: the penalties (and
+min_new_tokens) count the tokens the sampler drew, so any engine that samples some other way, drops a step's token, or
 counts a token the request did not keep, gives other tokens than stage 3's cached engine."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from reference import assert_same_tokens, engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 
-PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
+PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens")
 
 
 def penalised_params(scale: int = 1) -> list[SamplingParams]:
@@ -25,6 +25,14 @@ def penalised_params(scale: int = 1) -> list[SamplingParams]:
             logit_bias={65: 3.0, 32: -100.0},
         ),
         SamplingParams(temperature=0, max_new_tokens=11 * scale, ignore_eos=True, presence_penalty=2.0, logprobs=1),
+        # a stop token forced by +100 but banned until 5 * scale tokens are out: it ends at exactly the next one
+        SamplingParams(
+            temperature=0,
+            max_new_tokens=12 * scale,
+            min_new_tokens=5 * scale,
+            stop_token_ids=[65],
+            logit_bias={65: 100.0},
+        ),
     ]
 
 
@@ -34,6 +42,11 @@ def assert_penalties_like_stage3(path, prompts, params, outputs, what: str) -> N
 
     model, tokenizer = engine_model(str(path)), engine_tokenizer(str(path))
     expected = stage3_generate(model, tokenizer, prompts, params)
+    for params_i, want in zip(params, expected):
+        if params_i.min_new_tokens:
+            assert len(want.output_ids) > params_i.min_new_tokens, (
+                f"stage 3: min_new_tokens={params_i.min_new_tokens} gave only {len(want.output_ids)} tokens"
+            )
     for i, (got, want) in enumerate(zip(outputs, expected)):
         shown = {k: v for k, v in vars(params[i]).items() if k in PENALTY_FIELDS and v not in (0, 1, {})}
         assert_same_tokens(got.output_ids, want.output_ids, f"{what}: request {i} ({shown}), vs stage 3", tokenizer)

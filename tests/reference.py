@@ -37,11 +37,14 @@ def engine_tokenizer(path: str):
 
 
 @functools.lru_cache(maxsize=512)
-def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, eos: tuple[int, ...]) -> tuple[int, ...]:
+def _hf_greedy(
+    path: str, prompt: tuple[int, ...], max_new_tokens: int, eos: tuple[int, ...], min_new_tokens: int
+) -> tuple[int, ...]:
     model = hf_model(path)
     config = copy.deepcopy(model.generation_config)
     config.do_sample = False
     config.max_new_tokens = max_new_tokens
+    config.min_new_tokens = min_new_tokens or None  # transformers' MinNewTokensLengthLogitsProcessor bans `eos`
     config.eos_token_id = list(eos)  # []: generate until max_new_tokens (None would mean "the model's own EOS")
     config.pad_token_id = eos[0] if eos else 0
     ids = torch.tensor([prompt])
@@ -50,9 +53,12 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, eos: tup
     return tuple(out[0, len(prompt) :].tolist())
 
 
-def hf_greedy(path: str | Path, prompt: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()) -> list[int]:
-    """transformers' greedy continuation of ``prompt``; stops after an ``eos`` id (kept in the output)."""
-    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, tuple(eos)))
+def hf_greedy(
+    path: str | Path, prompt: Sequence[int], max_new_tokens: int, eos: Sequence[int] = (), min_new_tokens: int = 0
+) -> list[int]:
+    """transformers' greedy continuation of ``prompt``; stops after an ``eos`` id (kept in the output),
+    which it may not draw before ``min_new_tokens`` tokens are out."""
+    return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, tuple(eos), min_new_tokens))
 
 
 class OpenAIPenalties(LogitsProcessor):

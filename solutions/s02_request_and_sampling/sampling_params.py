@@ -43,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus f for every time the token is already in the output
     presence_penalty: float = 0.0  # minus p once the token is in the output at all
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_new_tokens: int = 0  # the tokens that would end the request (EOS, stop_token_ids) banned until this many
 
     def __post_init__(self) -> None:
         # Normalise the convenient spellings first, so validation sees one shape.
@@ -106,6 +107,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
             bias[token] = _in_range(f"logit_bias[{token}]", value, LOGIT_BIAS_RANGE)
         self.logit_bias = bias
+        self.min_new_tokens = _integer("min_new_tokens", self.min_new_tokens)
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens] ([0, {self.max_new_tokens}]), got {self.min_new_tokens}"
+            )
         # END EXERCISE
 
     @property
@@ -115,12 +121,14 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """True when the request's history or a bias changes its logits (penalties.py has work to do)."""
+        """True when the request's history, a bias or a minimum length changes its logits (penalties.py
+        has work to do)."""
         return (
             self.repetition_penalty != 1
             or self.frequency_penalty != 0
             or self.presence_penalty != 0
             or bool(self.logit_bias)
+            or self.min_new_tokens > 0
         )
 
 

@@ -27,7 +27,7 @@ class StructuredSamplingParams(SamplingParams):
 
     def _validate(self) -> None:
         super()._validate()
-        # BEGIN EXERCISE: at most one grammar, well formed; ignore_eos cannot go with one
+        # BEGIN EXERCISE: at most one grammar, well formed; ignore_eos and min_new_tokens cannot go with one
         # [#a-request-names-its-grammar]
         if self.json_schema is not None and self.regex is not None:
             raise ValueError("json_schema and regex cannot both be given; a request follows one grammar")
@@ -39,6 +39,11 @@ class StructuredSamplingParams(SamplingParams):
             raise ValueError(
                 "ignore_eos cannot be used with a grammar: a constrained output ends with EOS once the grammar "
                 "is complete"
+            )
+        if self.grammar_key is not None and self.min_new_tokens:
+            raise ValueError(
+                "min_new_tokens cannot be used with a grammar: the grammar decides where the output ends (once it "
+                "is complete, EOS is the only token it allows, and min_new_tokens would ban that too)"
             )
         # END EXERCISE
 

@@ -43,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus f for every time the token is already in the output
     presence_penalty: float = 0.0  # minus p once the token is in the output at all
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_new_tokens: int = 0  # the tokens that would end the request (EOS, stop_token_ids) banned until this many
 
     def __post_init__(self) -> None:
         # Normalise the convenient spellings first, so validation sees one shape.
@@ -69,12 +70,14 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """True when the request's history or a bias changes its logits (penalties.py has work to do)."""
+        """True when the request's history, a bias or a minimum length changes its logits (penalties.py
+        has work to do)."""
         return (
             self.repetition_penalty != 1
             or self.frequency_penalty != 0
             or self.presence_penalty != 0
             or bool(self.logit_bias)
+            or self.min_new_tokens > 0
         )
 
 

@@ -28,7 +28,7 @@ class StructuredSamplingParams(SamplingParams):
     def _validate(self) -> None:
         super()._validate()
         raise NotImplementedError(
-            "Stage 11: at most one grammar, well formed; ignore_eos cannot go with one - see stages/s11_structured_output/README.md#a-request-names-its-grammar"  # noqa: E501 (one message, the learner's to read whole)
+            "Stage 11: at most one grammar, well formed; ignore_eos and min_new_tokens cannot go with one - see stages/s11_structured_output/README.md#a-request-names-its-grammar"  # noqa: E501 (one message, the learner's to read whole)
         )
 
     @property

@@ -1,7 +1,8 @@
-"""Penalties and logit_bias: each request's history reshapes its logits before the draw, checked on
-crafted logits (each formula, the asymmetry of the repetition penalty, the output-only counts)
-and against transformers' repetition penalty and sequence bias, with OpenAI's frequency and
-presence penalties as documented, on every tiny family."""
+"""Penalties, logit_bias and min_new_tokens: each request's history reshapes its logits before the
+draw, checked on crafted logits (each formula, the asymmetry of the repetition penalty, the
+output-only counts, the ban on ending early) and against transformers' repetition penalty,
+sequence bias and minimum length, with OpenAI's frequency and presence penalties as documented,
+on every tiny family."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_penalized_greedy
+from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy, hf_penalized_greedy
 from s02_request_and_sampling.engine import generate
 from s02_request_and_sampling.penalties import apply_penalties, count_sampled
 from s02_request_and_sampling.req import Req
@@ -125,4 +126,42 @@ def test_greedy_with_penalties_matches_transformers(tiny_model_dir, penalties):
     assert plain.output_ids != out.output_ids, (
         f"{penalties} should change what the tiny {tiny_model_dir.name} model repeats, but the output is the same as "
         f"without penalties: {plain.output_ids}"
+    )
+
+
+@pytest.mark.parametrize("ignore_eos,expected", [(False, [0, 0, 3]), (True, [6, 6, 3])], ids=["eos", "ignore_eos"])
+def test_min_new_tokens_bans_the_ending_tokens_until_enough_are_out(ignore_eos, expected):
+    """Token 3 is a stop token pushed up by +50 and token 6 (second best) is EOS: for the first two
+    draws both are banned (the bias cannot lift the ban; EOS only while it would end the request),
+    at the third the stop token wins."""
+    params = SamplingParams(
+        temperature=0, min_new_tokens=2, stop_token_ids=[3], logit_bias={3: 50.0}, ignore_eos=ignore_eos
+    )
+    r = Req("m", [0], params, eos_token_ids=[6])
+    got = [sample_with_penalties(LOGITS, [r]).item() for _ in expected]
+    assert got == expected, (
+        f"min_new_tokens=2, stop_token_ids=[3] (with logit_bias +50), EOS 6, ignore_eos={ignore_eos}: the first "
+        f"two draws may not be a token that ends the request (3, and 6 unless ignore_eos), whatever the bias; "
+        f"the third may; expected {expected}, got {got}"
+    )
+
+
+def test_greedy_with_min_new_tokens_matches_transformers(tiny_model_dir):
+    """The plain greedy output's first three tokens become stop tokens: plain, the request ends at
+    once; with min_new_tokens=8 it may not end before 8 tokens, as transformers' min_new_tokens."""
+    model, tokenizer = engine_model(str(tiny_model_dir)), engine_tokenizer(str(tiny_model_dir))
+    prompt = tokenizer.encode_prompt("Once upon a time, once upon a time")
+    [plain] = generate(model, tokenizer, [prompt], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+    stops = sorted(set(plain.output_ids[:3]))
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop_token_ids=stops, min_new_tokens=8)
+    [out] = generate(model, tokenizer, [prompt], params)
+    expected = hf_greedy(tiny_model_dir, prompt, 24, eos=stops, min_new_tokens=8)
+    assert_same_tokens(
+        out.output_ids,
+        expected,
+        f"greedy, stop_token_ids={stops}, min_new_tokens=8 on the tiny {tiny_model_dir.name}",
+        tokenizer,
+    )
+    assert len(out.output_ids) > 8 and not set(out.output_ids[:8]) & set(stops), (
+        f"min_new_tokens=8: none of the first 8 tokens may be a stop token {stops}, got {out.output_ids}"
     )

@@ -56,6 +56,9 @@ BAD = [
     ("logit_bias", {"5": 5}, "a token id as a string"),
     ("logit_bias", {5: True}, "a bool for a bias"),
     ("logit_bias", [5, 1], "a list instead of {token id: bias}"),
+    ("min_new_tokens", -1, "a negative count"),
+    ("min_new_tokens", 2.0, "a float"),
+    ("min_new_tokens", 129, "more than max_new_tokens (128 by default): the request could never end in bounds"),
 ]
 
 
@@ -88,6 +91,7 @@ GOOD: list[dict[str, Any]] = [
     dict(repetition_penalty=1.3, frequency_penalty=-2, presence_penalty=2),
     dict(repetition_penalty=0.01),
     dict(logit_bias={0: -100, 7: 100, 3: 0.5}),
+    dict(min_new_tokens=16, max_new_tokens=16),
 ]
 
 
@@ -112,6 +116,12 @@ def test_defaults_and_normalisation():
         f"by default nothing is penalised (repetition 1, frequency 0, presence 0, no logit_bias), got {penalties}"
     )
     assert SamplingParams(logit_bias=None).logit_bias == {}, "logit_bias=None means no bias: an empty dict"
+    assert default.min_new_tokens == 0, (
+        f"by default a request may end at once, got min_new_tokens={default.min_new_tokens}"
+    )
+    assert SamplingParams(min_new_tokens=1).has_penalties, (
+        "min_new_tokens > 0 reshapes the logits (its stop tokens are banned at first): has_penalties must say so"
+    )
 
 
 @pytest.mark.parametrize(

@@ -197,7 +197,7 @@ def test_default_model_static_batch_equals_transformers(default_model_dir):
 def test_penalties_in_a_static_batch(tiny_models_root):
     """Each request's penalties follow its own row of the batch (through stage 2's append_sampled)."""
     path = tiny_models_root / "qwen3"
-    prompts, params = [*PROMPTS, list(b"xyz")], penalised_params()
-    engine = StaticBatchEngine(engine_model(str(path)), pool_size=512, page_size=4, max_running_requests=5)
+    prompts, params = [*PROMPTS, list(b"xyz"), list(b"min")], penalised_params()
+    engine = StaticBatchEngine(engine_model(str(path)), pool_size=512, page_size=4, max_running_requests=6)
     got = engine.generate(engine_tokenizer(str(path)), prompts, params)
-    assert_penalties_like_stage3(path, prompts, params, got, "a static batch of 5")
+    assert_penalties_like_stage3(path, prompts, params, got, "a static batch of 6")

@@ -143,6 +143,7 @@ def test_a_grammar_that_does_not_compile_aborts_its_request(engine, kind, spec, 
         (dict(json_schema=[1, 2]), "JSON object"),
         (dict(regex=""), "non-empty"),
         (dict(regex="a+", ignore_eos=True), "ignore_eos"),
+        (dict(json_schema={"type": "object"}, min_new_tokens=4), "min_new_tokens"),
     ],
 )
 def test_bad_grammar_fields_are_refused_at_once(fields, message):

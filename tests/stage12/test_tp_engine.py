@@ -134,7 +134,7 @@ def test_penalties_under_tp(tp2):
     """Rank 0 samples, so rank 0 keeps the penalty counts, over the gathered (whole) vocabulary:
     the tokens of stage 3's engine on one device."""
     path, engine = tp2
-    prompts, params = [*PROMPTS[:3], [7, 8, 9], [50] * 6], penalised_params()
+    prompts, params = [*PROMPTS[:3], [7, 8, 9], [50] * 6, [33, 34]], penalised_params()
     assert_penalties_like_stage3(path, prompts, params, engine.generate(prompts, params), f"{path.name}, tp=2")
 
 
