@@ -333,6 +333,14 @@ MUTANTS: list[Mutant] = [
         r"leave the logits it was given",
     ),
     Mutant(
+        "s02-min-new-tokens-one-late",
+        "s02_request_and_sampling/penalties.py",
+        "min_new_tokens bans the ending tokens while FEWER than min_new_tokens are out: the request may end with "
+        "its (min_new_tokens + 1)-th token",
+        edit("s.drawn < p.min_new_tokens:", "s.drawn <= p.min_new_tokens:"),
+        r"min_new_tokens",
+    ),
+    Mutant(
         "s02-bias-before-the-penalties",
         "s02_request_and_sampling/penalties.py",
         "logit_bias is added AFTER the penalties (the repetition penalty scales the model's own logits, not the bias)",
@@ -1114,10 +1122,17 @@ MUTANTS: list[Mutant] = [
         r"logit_bias",
     ),
     Mutant(
+        "s09-min-tokens-not-passed",
+        "s09_zmq_serving/protocol.py",
+        "min_tokens (the extension) becomes SamplingParams.min_new_tokens",
+        edit('        "min_new_tokens": request.min_tokens,\n', ""),
+        r"min_tokens|min_new_tokens",
+    ),
+    Mutant(
         "s09-error-names-no-param",
         "s09_zmq_serving/protocol.py",
         "an invalid sampling field is refused with an error whose `param` names that field",
-        edit("raise InvalidRequest(str(error), param=param) from None", "raise InvalidRequest(str(error)) from None"),
+        edit("raise InvalidRequest(message, param=param) from None", "raise InvalidRequest(message) from None"),
         r"param",
     ),
     Mutant(
@@ -1384,6 +1399,13 @@ MUTANTS: list[Mutant] = [
         "a constrained request ends with EOS, so ignore_eos cannot go with a grammar",
         edit("if self.grammar_key is not None and self.ignore_eos:", "if False:"),
         r"ignore_eos",
+    ),
+    Mutant(
+        "s11-grammar-with-min-new-tokens",
+        "s11_structured_output/sampling_params.py",
+        "a complete grammar allows only EOS, so min_new_tokens (which bans EOS) cannot go with a grammar",
+        edit("if self.grammar_key is not None and self.min_new_tokens:", "if False:"),
+        r"min_new_tokens",
     ),
     Mutant(
         "s11-wait-for-the-compiler",

@@ -126,6 +126,7 @@ FIELDS = [
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "min_tokens",
     "not_a_field",
 ]
 PROMPTS = ["Hi", "Tell me a story.", "héllo wörld ☃ 中文", "1 + 1 =", "a\nb\n\nc"]
@@ -165,7 +166,8 @@ def hostile_value(rng: random.Random, depth: int = 0):
 
 
 def good_body(rng: random.Random, model: str, chat: bool) -> dict:
-    body = {"model": model, "max_tokens": rng.randint(1, 8), "temperature": rng.choice([0, 0.7, 1.0])}
+    max_tokens = rng.randint(1, 8)
+    body: dict[str, object] = {"model": model, "max_tokens": max_tokens, "temperature": rng.choice([0, 0.7, 1.0])}
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
     else:
@@ -180,6 +182,7 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
         body["presence_penalty"], body["frequency_penalty"] = rng.uniform(-2, 2), rng.uniform(-2, 2)
         body["repetition_penalty"] = rng.uniform(0.5, 2)
         body["logit_bias"] = {str(rng.randrange(0, 200)): rng.uniform(-100, 100) for _ in range(rng.randint(1, 4))}
+        body["min_tokens"] = rng.randint(0, max_tokens)
     if rng.random() < 0.5:
         body["stream"] = True
         if rng.random() < 0.5:
@@ -435,6 +438,7 @@ class Soak:
     def structured(self, rng: random.Random) -> None:
         chat = rng.random() < 0.5
         body = {**good_body(rng, self.model, chat), "max_tokens": 24}
+        body.pop("min_tokens", None)  # a grammar decides where its output ends: min_tokens is refused with one
         schema, regex = (rng.choice(SCHEMAS), None) if chat and rng.random() < 0.6 else (None, rng.choice(REGEXES))
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}

@@ -169,7 +169,17 @@ class SchedulerProcess:
     def handle_generate_request(self, req: TokenizedGenerateReqInput) -> None:
         params = req.sampling_params
         if req.fill_max_new_tokens:  # no max_tokens: up to the end of the context
-            params = dataclasses.replace(params, max_new_tokens=max(1, self.context_len - len(req.input_ids) + 1))
+            room = self.context_len - len(req.input_ids) + 1
+            if 1 <= room < params.min_new_tokens:  # (room < 1: the prompt alone is too long, add_request says so)
+                message = (
+                    f"a prompt of {len(req.input_ids)} tokens leaves room for {room} new tokens in the context of "
+                    f"{self.context_len}, fewer than min_tokens={params.min_new_tokens}"
+                )
+                self.send_to_detokenizer.send_pyobj(
+                    ErrorOut(req.rid, message, 400, param="min_tokens", code="context_length_exceeded")
+                )
+                return
+            params = dataclasses.replace(params, max_new_tokens=max(1, room))
         # BEGIN EXERCISE: add a tokenized request to the engine, or answer why it cannot be served
         # [#the-scheduler-loop-scheduler_processpy]
         try:

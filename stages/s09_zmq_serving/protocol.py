@@ -19,6 +19,8 @@ What a field means, and what this server does with it:
     presence_penalty           -2..2 each, as OpenAI (stage 2's penalties.py); repetition_penalty
     frequency_penalty          (0.01..2, transformers') is an extension (SGLang's and vLLM's too)
     logit_bias                 {"token id": -100..100}: the key a token id of the vocabulary
+    min_tokens                 extension (vLLM's and SGLang's): EOS is banned until this many
+                               tokens are out (stage 2's min_new_tokens); 0..max_tokens
 
 A field that would change the result and that this server does not do (tools, echo, best_of,
 ...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
@@ -134,6 +136,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Number] | None = None  # JSON keys are strings: token ids spelled in decimal
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
+    min_tokens: int | None = None  # extension: SamplingParams.min_new_tokens
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -213,6 +216,10 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
         raise InvalidRequest(
             f"top_k must be -1 (off) or in [1, {limits.vocab_size}] (the vocabulary), got {request.top_k}",
             param="top_k",
+        )
+    if request.min_tokens is not None and not 0 <= request.min_tokens <= context:
+        raise InvalidRequest(
+            f"min_tokens must be >= 0 and <= {context} (the context), got {request.min_tokens}", param="min_tokens"
         )
     if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
         raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}] (choices per request), got {request.n}", param="n")
@@ -383,10 +390,13 @@ def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> in
     return logprobs
 
 
+API_NAMES = {"min_new_tokens": "min_tokens"}  # SamplingParams' fields that the API spells otherwise
+
+
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:
     """The request's SamplingParams, and whether max_tokens was left out (then the scheduler lets
-    it run to the end of the context; max_new_tokens is 1 until it does). Raises InvalidRequest
-    (param = the API's field name) for a value that cannot be served."""
+    it run to the end of the context; max_new_tokens is min_tokens, at least 1, until it does).
+    Raises InvalidRequest (param = the API's field name) for a value that cannot be served."""
     raise NotImplementedError(
         "Stage 9: the request's SamplingParams from the OpenAI fields - see stages/s09_zmq_serving/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)
     )

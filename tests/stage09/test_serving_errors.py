@@ -99,6 +99,24 @@ BAD_INPUTS = [
         "logit_bias.5",
         "finite",
     ),
+    ("min_tokens above max_tokens", CHAT, chat(min_tokens=5), 400, "min_tokens", "max_tokens"),
+    (
+        "min_tokens beyond the context",
+        CHAT,
+        without(chat(min_tokens=10**6), "max_tokens"),
+        400,
+        "min_tokens",
+        "context",
+    ),
+    ("a negative min_tokens", COMPLETIONS, {"model": "llama", "prompt": "Hi", "min_tokens": -1}, 400, "min_tokens", ""),
+    (
+        "min_tokens past what the context leaves after the prompt",
+        CHAT,
+        without(chat(min_tokens=1020), "max_tokens"),
+        400,
+        "min_tokens",
+        "fewer than min_tokens=1020",
+    ),
     ("a field nobody knows", CHAT, chat(temprature=0.5), 400, "temprature", ""),
     ("no prompt", COMPLETIONS, {"model": "llama", "max_tokens": 4}, 400, "prompt", ""),
     ("a batch of prompts", COMPLETIONS, {"model": "llama", "prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt", ""),
@@ -323,6 +341,7 @@ TOO_LONG_FOR_THE_ENGINE = {
     "a streamed prompt longer than the context",
     "messages longer than the context",
     "prompt plus max_tokens beyond the context",
+    "min_tokens past what the context leaves after the prompt",
 }
 
 

@@ -200,6 +200,26 @@ def test_penalties_and_logit_bias_reach_the_sampler(tiny_server):
     assert text == "A" * 6, f"logit_bias {{65 ('A'): +100}} on a greedy completion should give 'AAAAAA', got {text!r}"
 
 
+def test_min_tokens_holds_back_the_end(tiny_server):
+    """min_tokens (vLLM's and SGLang's extension, stage 2's min_new_tokens): with +100 on EOS a greedy
+    completion ends at its first token; with min_tokens=5 it goes on for 5 tokens first, as the
+    offline engine does, streamed and not."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine = offline_engine(path, pool_size=4096)
+    eos = min(engine.tokenizer.eos_token_ids)
+    request = dict(model=path.name, prompt="Hello", max_tokens=12, temperature=0, logit_bias={str(eos): 100})
+    _, _, usage = run(client, "completion", False, **request)
+    assert usage.completion_tokens == 1, f"+100 on EOS ({eos}): a greedy completion ends at once, got {usage}"
+    prompt = engine.tokenizer.encode("Hello")  # a completion's prompt is raw text: no chat template
+    [expected] = offline_outputs(engine, [prompt], greedy(12, logit_bias={eos: 100.0}, min_new_tokens=5))
+    assert expected.output_tokens == 6 and expected.finish_reason.type == "stop", (
+        f"the offline engine: 5 tokens, then EOS; got {expected.output_ids} ({expected.finish_reason})"
+    )
+    for stream in (False, True):
+        got = run(client, "completion", stream, **request, extra_body={"min_tokens": 5})
+        assert_same_answer(got, expected, f"a completion with +100 on EOS and min_tokens=5, stream={stream}")
+
+
 def test_chat_on_the_default_model_equals_the_offline_engine(default_server):
     client, path = client_for(default_server), default_server.model
     engine = offline_engine(path, pool_size=2048)

@@ -26,6 +26,7 @@ def test_fields_become_sampling_params():
         frequency_penalty=-0.25,
         repetition_penalty=1.1,
         logit_bias={"7": -100, "42": 2.5},
+        min_tokens=3,
     )
     params, fill = to_sampling_params(request)
     got = dict(
@@ -41,6 +42,7 @@ def test_fields_become_sampling_params():
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias,
+        min_new_tokens=params.min_new_tokens,
     )
     expected = dict(
         max_new_tokens=7,
@@ -55,6 +57,7 @@ def test_fields_become_sampling_params():
         frequency_penalty=-0.25,
         repetition_penalty=1.1,
         logit_bias={7: -100, 42: 2.5},
+        min_new_tokens=3,
     )
     assert got == expected, f"the request's fields should map onto SamplingParams as {expected}, got {got}"
     assert fill is False, "max_tokens was given, so the request must not be told to run to the end of the context"
@@ -72,6 +75,11 @@ def test_defaults_and_max_completion_tokens():
     )
     assert (params.max_new_tokens, fill, params.stop) == (9, False, ["a", "b"]), (
         f"max_completion_tokens=9 is max_tokens' newer name: expected max_new_tokens 9, got {params.max_new_tokens}"
+    )
+    params, fill = to_sampling_params(CompletionRequest(model="m", prompt="Hi", min_tokens=40))
+    assert (params.min_new_tokens, params.max_new_tokens, fill) == (40, 40, True), (
+        "min_tokens=40 without max_tokens: min_new_tokens 40, and max_new_tokens at least that until the scheduler "
+        f"fills it (it must pass SamplingParams' check); got {(params.min_new_tokens, params.max_new_tokens, fill)}"
     )
     with pytest.raises(InvalidRequest) as caught:
         to_sampling_params(ChatCompletionRequest(model="m", messages=MESSAGES, max_tokens=5, max_completion_tokens=9))
@@ -95,6 +103,8 @@ def test_defaults_and_max_completion_tokens():
         ("repetition_penalty", 2.5),
         ("logit_bias", {"5": -101}),
         ("logit_bias", {"x5": 1}),
+        ("min_tokens", -1),
+        ("min_tokens", 5),  # more than max_tokens (4)
     ],
 )
 def test_impossible_values_are_refused_naming_the_field(field, value):

@@ -141,8 +141,19 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
             "response_format.json_schema.scheme",
             "not a field",
         ),
+        ({"regex": "a+", "min_tokens": 3}, "regex", "min_tokens cannot be used with a grammar"),
     ],
-    ids=["bad-schema", "bad-regex", "both", "unknown-type", "no-schema", "unknown-key", "unknown-key-text", "typo"],
+    ids=[
+        "bad-schema",
+        "bad-regex",
+        "both",
+        "unknown-type",
+        "no-schema",
+        "unknown-key",
+        "unknown-key-text",
+        "typo",
+        "min-tokens",
+    ],
 )
 def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
     request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, **body}
