@@ -346,7 +346,7 @@ MUTANTS: list[Mutant] = [
         "logit_bias is added AFTER the penalties (the repetition penalty scales the model's own logits, not the bias)",
         (
             ("    x = out[rows]\n", "    x = out[rows]\n    x = x + _stack([s.bias for s in states], like=x[0])\n"),
-            ("        x = x + _stack([s.bias for s in states], like=counts[0])\n", "        pass\n"),
+            ("        x = x + _stack([s.bias for s in states], like=x[0])\n", "        pass\n"),
         ),
         r"added after the penalty",
     ),

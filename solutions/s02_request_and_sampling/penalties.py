@@ -95,19 +95,22 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
     # [#penalties-what-the-request-already-said]
     out = logits.to(torch.float32, copy=True)  # a copy: the caller's logits stay the model's own
     x = out[rows]
-    counts = torch.stack([s.output_counts for s in states])
-    in_output = counts > 0
     # "does any row use it?" is asked of the params: a tensor's answer would wait for the GPU
-    if any(p.repetition_penalty != 1 for p in params):
+    repetition = any(p.repetition_penalty != 1 for p in params)
+    additive = any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params)
+    if repetition or additive:  # both read the output counts ([R, V]: not stacked for a bias or a ban alone)
+        counts = torch.stack([s.output_counts for s in states])
+        in_output = counts > 0
+    if repetition:
         r = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         seen = in_output | _stack([s.in_prompt for s in states], like=in_output[0])
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+    if additive:
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         x = x - frequency * counts - presence * in_output
     if any(s.bias is not None for s in states):
-        x = x + _stack([s.bias for s in states], like=counts[0])
+        x = x + _stack([s.bias for s in states], like=x[0])
     for k, (s, p) in enumerate(zip(states, params)):
         if s.stop_ids is not None and s.drawn < p.min_new_tokens:  # host ints: no GPU sync
             x[k, s.stop_ids] = float("-inf")
