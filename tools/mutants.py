@@ -1132,7 +1132,10 @@ MUTANTS: list[Mutant] = [
         "s09-error-names-no-param",
         "s09_zmq_serving/protocol.py",
         "an invalid sampling field is refused with an error whose `param` names that field",
-        edit("raise InvalidRequest(message, param=param) from None", "raise InvalidRequest(message) from None"),
+        edit(
+            "raise InvalidRequest(in_api_words(str(error)), param=API_NAMES.get(name, name)) from None",
+            "raise InvalidRequest(in_api_words(str(error))) from None",
+        ),
         r"param",
     ),
     Mutant(

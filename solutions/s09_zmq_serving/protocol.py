@@ -390,7 +390,14 @@ def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> in
     return logprobs
 
 
-API_NAMES = {"min_new_tokens": "min_tokens"}  # SamplingParams' fields that the API spells otherwise
+API_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}  # SamplingParams' names -> the API's
+
+
+def in_api_words(message: str) -> str:
+    """A SamplingParams error message with its fields named as the API spells them."""
+    for name, api_name in API_NAMES.items():
+        message = message.replace(name, api_name)
+    return message
 
 
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:
@@ -432,10 +439,7 @@ def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tu
         )
     except ValueError as error:  # SamplingParams' messages start with the field's name
         name = next((name for name in given if str(error).startswith(name)), None)
-        message, param = str(error), API_NAMES.get(name, name)  # the API's name, where it is not the engine's
-        if name in API_NAMES:
-            message = message.replace(name, param, 1).replace("max_new_tokens", "max_tokens")
-        raise InvalidRequest(message, param=param) from None
+        raise InvalidRequest(in_api_words(str(error)), param=API_NAMES.get(name, name)) from None
     return params, max_tokens is None
     # END EXERCISE
 

@@ -390,7 +390,14 @@ def requested_logprobs(request: ChatCompletionRequest | CompletionRequest) -> in
     return logprobs
 
 
-API_NAMES = {"min_new_tokens": "min_tokens"}  # SamplingParams' fields that the API spells otherwise
+API_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}  # SamplingParams' names -> the API's
+
+
+def in_api_words(message: str) -> str:
+    """A SamplingParams error message with its fields named as the API spells them."""
+    for name, api_name in API_NAMES.items():
+        message = message.replace(name, api_name)
+    return message
 
 
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> tuple[SamplingParams, bool]:

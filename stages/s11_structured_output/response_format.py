@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s09_zmq_serving.protocol import API_NAMES, InvalidRequest
+from s09_zmq_serving.protocol import InvalidRequest, in_api_words
 
 from .grammar_backend import GrammarError, check_grammar
 from .sampling_params import JSON_OBJECT_SCHEMA, StructuredSamplingParams  # noqa: F401
@@ -71,10 +71,7 @@ async def structured_params(
     try:
         structured = StructuredSamplingParams(**dataclasses.asdict(params), **fields)
     except ValueError as error:
-        message = str(error)
-        for name, api_name in API_NAMES.items():  # in the API's words (min_tokens, not min_new_tokens)
-            message = message.replace(name, api_name)
-        raise InvalidRequest(message, param=param) from None
+        raise InvalidRequest(in_api_words(str(error)), param=param) from None  # min_tokens, not min_new_tokens
     try:
         await asyncio.wait_for(asyncio.to_thread(check_grammar, structured.grammar_key), CHECK_TIMEOUT_S)
     except GrammarError as error:
