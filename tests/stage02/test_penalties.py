@@ -159,7 +159,8 @@ def test_greedy_with_min_new_tokens_matches_transformers(tiny_model_dir):
     assert_same_tokens(
         out.output_ids,
         expected,
-        f"greedy, stop_token_ids={stops}, min_new_tokens=8 on the tiny {tiny_model_dir.name}",
+        f"greedy, stop_token_ids={stops}, min_new_tokens=8, ignore_eos=True (only those ids end it) on the tiny "
+        f"{tiny_model_dir.name}",
         tokenizer,
     )
     assert len(out.output_ids) > 8 and not set(out.output_ids[:8]) & set(stops), (
