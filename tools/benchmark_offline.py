@@ -32,6 +32,7 @@ Nothing is asserted: the numbers depend on the machine as much as on the code.
     python tools/benchmark_offline.py --stage 5 --workload a   # an earlier stage's engine
     python tools/benchmark_offline.py --stage 11               # make serve's engine (overlap where it pays)
     python tools/benchmark_offline.py --workload b --logprobs 5 --skip-transformers   # what logprobs cost
+    python tools/benchmark_offline.py --workload b --penalties --skip-transformers    # what penalties cost
     make bench-peer                                            # with vLLM (its own venv)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
@@ -146,9 +147,13 @@ def engine_class(stage: int):
     return __import__(f"{module}.engine", fromlist=["Engine"]).Engine
 
 
-def run_engine(engine, workload: Workload, logprobs: int | None = None) -> EngineRun:
-    """The engine on the workload, each forward pass's shape recorded (for the ceiling); with
-    ``logprobs``, every request also asks for its tokens' log-probabilities and k alternatives."""
+# --penalties: what every request asks then (stage 2's penalties.py; each knob on, none extreme)
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5)
+
+
+def run_engine(engine, workload: Workload, **asked) -> EngineRun:
+    """The engine on the workload, each forward pass's shape recorded (for the ceiling); ``asked``:
+    more SamplingParams fields for every request (``logprobs=k``, the PENALTIES)."""
     passes = []
     forward = engine.runner.forward
 
@@ -157,10 +162,7 @@ def run_engine(engine, workload: Workload, logprobs: int | None = None) -> Engin
         return forward(batch)
 
     engine.runner.forward = recording_forward
-    params = [
-        SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, logprobs=logprobs)
-        for n in workload.output_lens
-    ]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, **asked) for n in workload.output_lens]
     before = vars(engine.scheduler.stats).copy()  # the warm-up's
     try:
         outputs = [out.output_ids for out in engine.generate(workload.prompts, params)]
@@ -420,7 +422,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     if args.overlap != "auto":
         knobs["disable_overlap"] = args.overlap == "off"
 
-    def engine_run(label: str, logprobs: int | None = None) -> tuple[EngineRun, float]:
+    def engine_run(label: str, **asked) -> tuple[EngineRun, float]:
         """A fresh engine (an empty cache: a second run must not find the first one's prompts),
         warmed up on a prompt the workload does not contain, then timed on the workload."""
         engine = Engine(model, tokenizer, **knobs)
@@ -430,7 +432,7 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
             overlap = f", overlap {'on' if engine.scheduler.enable_overlap else 'off'}"
             row["overlap"] = engine.scheduler.enable_overlap
         progress.update(label)
-        run, seconds = timed(partial(run_engine, engine, workload, logprobs), device)
+        run, seconds = timed(partial(run_engine, engine, workload, **asked), device)
         progress.clear()
         report(
             label,
@@ -444,9 +446,13 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
     row["engine"] = run.stats
 
     if args.logprobs is not None:  # the same workload again, every request asking: what it costs
-        asked, asked_s = engine_run(f"engine, logprobs={args.logprobs}", args.logprobs)
+        asked, asked_s = engine_run(f"engine, logprobs={args.logprobs}", logprobs=args.logprobs)
         row["ratios"][f"engine logprobs={args.logprobs} time / engine time"] = round(asked_s / seconds, 2)
         row["agreement"][f"engine with logprobs={args.logprobs}"] = agreement(run.outputs, asked.outputs)
+
+    if args.penalties:  # again, every request penalised: other tokens, so only the time is compared
+        _, penalised_s = engine_run("engine, penalised", **PENALTIES)
+        row["ratios"]["engine penalised time / engine time"] = round(penalised_s / seconds, 2)
 
     if peer is not None:  # vLLM right after the engine, pair by pair: both see the same machine
         pairs = []
@@ -570,6 +576,12 @@ def main() -> None:
         default=None,
         metavar="K",
         help="run the engine a second time with every request asking for logprobs=K (0-20): what they cost",
+    )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="run the engine a second time with every request penalised (repetition 1.1, frequency and presence "
+        "0.5): what the penalties cost",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
