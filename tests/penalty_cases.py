@@ -1,6 +1,7 @@
 """One mixed batch of penalised requests for every engine from stage 3 on: the penalties (and
-min_new_tokens) count the tokens the sampler drew, so any engine that samples some other way, drops a step's token, or
-counts a token the request did not keep, gives other tokens than stage 3's cached engine."""
+min_new_tokens) count the tokens the sampler drew, so any engine that samples some other way,
+drops a step's token, or counts a token the request did not keep, gives other tokens than stage
+3's cached engine."""
 
 from __future__ import annotations
 
