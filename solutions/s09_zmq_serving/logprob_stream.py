@@ -15,6 +15,10 @@ decide when an entry may go::
   become a stop string, has sent nothing yet; its entry waits until its text is sent.
 - **What the answer does not show has no entry.** A matched stop token / EOS, and the tokens
   wholly inside a matched stop string, are dropped with their text.
+- **A control token inside the answer adds no text.** The text leaves out control tokens
+  (``<|im_start|>``, decoded with skip_special_tokens, as vLLM and SGLang do); one the model
+  wrote mid-answer keeps its entry (its log-probability counts) with the text it adds: "" and no
+  bytes, as vLLM's. Its alternatives are named as usual: a control token there is news.
 
 So an answer's entries line up with its text: each ``text_offset`` is where that token's text
 starts, the entries streamed are exactly the entries of the whole answer, and the answer is the
@@ -91,20 +95,26 @@ class LogprobStream:
         if not group:
             return
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        pieces = self.tokenizer.token_pieces([self.waiting[k].token_id for k in group])
         at = self.placed_to
-        for k, (_, data) in zip(group, pieces):
+        for k in group:
             self.spans[k] = (min(at, end), end)
-            at += len(decoder.decode(data))
+            at += len(decoder.decode(self.shown(self.waiting[k].token_id)[1]))
         self.placed_to = end
+
+    def shown(self, token_id: int) -> tuple[str, bytes]:
+        """What a token of the answer adds to its text: its own text and bytes, but nothing for a
+        control token, which the text leaves out."""
+        if token_id in self.tokenizer.control_ids:
+            return "", b""
+        return self.tokenizer.token_pieces([token_id])[0]
 
     def release(self, count: int) -> list[LogprobEntry]:
         """The first ``count`` waiting tokens leave as entries, in order. Once a request is over,
         the tokens left waiting are the ones its answer does not show; they go with the stream."""
         entries = []
         for logprob, span in zip(self.waiting[:count], self.spans[:count]):
-            token_ids = [logprob.token_id, *(token_id for token_id, _ in logprob.top)]
-            (token, data), *top = self.tokenizer.token_pieces(token_ids)
+            token, data = self.shown(logprob.token_id)
+            top = self.tokenizer.token_pieces([token_id for token_id, _ in logprob.top])
             alternatives = [(text, piece, value) for (text, piece), (_, value) in zip(top, logprob.top)]
             assert span is not None, "only placed tokens are released"
             entries.append(LogprobEntry(token, data, logprob.logprob, span[0], alternatives))

@@ -33,6 +33,8 @@ class Tokenizer:
         # The added tokens flagged special are the control tokens; longest first, so that one that
         # holds another is matched whole.
         special = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        # ...and their ids: what decode() leaves out of a text (skip_special_tokens, as an answer's is)
+        self.control_ids = frozenset(i for i, t in self.hf.added_tokens_decoder.items() if t.special)
         controls = sorted(special, key=len, reverse=True)
         self.control_tokens = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
         # A byte-level vocabulary (GPT-2's, SmolLM2's, Qwen's, Llama 3's) spells each byte as one

@@ -215,6 +215,31 @@ def test_entries_of_a_stop_string_and_a_stop_token_are_dropped(tiny_models_root)
     )
 
 
+def test_a_control_token_inside_the_answer_adds_no_text(tiny_models_root):
+    """The text leaves control tokens out (skip_special_tokens); one written mid-answer keeps its
+    entry, with the text it adds (none), so the entries' bytes still join to the text, while its
+    alternatives name it."""
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    control = 256  # the tiny models' <|im_start|>
+    steps = feed_logprobs(tokenizer, [], [*byte_ids("ok"), control, *byte_ids("!")], FinishReason("length"))
+    text = "".join(sent for sent, _ in steps)
+    entries = [e for _, step in steps for e in step]
+    assert text == "ok!" and [e.logprob for e in entries] == [0, -1, -2, -3], (
+        f"'ok', a control token, '!': the text is 'ok!' and every token has its entry; got {text!r} and tokens "
+        f"{[-e.logprob for e in entries]}"
+    )
+    assert [(e.token, e.token_bytes) for e in entries] == [("o", b"o"), ("k", b"k"), ("", b""), ("!", b"!")], (
+        "a control token adds nothing to the text, so its entry's token and bytes are empty (the bytes joined spell "
+        f"the text); got {[(e.token, e.token_bytes) for e in entries]}"
+    )
+    assert [e.text_offset for e in entries] == [0, 1, 2, 2], (
+        f"the control token takes no room: '!' starts where it does (2); got {[e.text_offset for e in entries]}"
+    )
+    assert entries[2].top[0][0] == "<|im_start|>", (
+        f"as an alternative a control token is named, got {entries[2].top[0]!r}"
+    )
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_entries_follow_the_text_sent(tiny_models_root, seed):
     """Random outputs (multi-byte characters, stray bytes, stop strings and tokens): entries go out
