@@ -195,3 +195,40 @@ def assert_logprobs_match(path: str | Path, prompt: Sequence[int], output, k: in
             f"{what}: at output token {i} the {k} likeliest tokens are {top} (transformers), the entry lists "
             f"{[t for t, _ in entry.top]}"
         )
+
+
+def hf_prompt_logprobs(path: str | Path, prompt: Sequence[int]) -> torch.Tensor:
+    """transformers' log_softmax at each prompt position but the last: row i is the distribution
+    prompt[i + 1] is scored under (one forward over the prompt, in float32)."""
+    with torch.no_grad():
+        logits = hf_model(str(path))(torch.tensor([list(prompt)])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+def assert_prompt_logprobs_match(path: str | Path, prompt: Sequence[int], output, k: int, what: str) -> None:
+    """``output`` (a GenerateOutput of a request with prompt_logprobs=k) has one entry per prompt
+    token, None for the first, then each with transformers' logprob of that token and its k
+    likeliest tokens."""
+    __tracebackhide__ = True
+    entries = output.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt), (
+        f"{what}: prompt_logprobs={k} asks for one entry per prompt token ({len(prompt)}, the first None), got "
+        f"{None if entries is None else len(entries)}"
+    )
+    assert entries[0] is None, f"{what}: the first prompt token has no entry (nothing precedes it), got {entries[0]}"
+    named = [e.token_id if e is not None else None for e in entries[1:]]
+    assert named == list(prompt[1:]), (
+        f"{what}: entry i names prompt token i: the entries name {named}, the prompt is {list(prompt)}"
+    )
+    expected = hf_prompt_logprobs(path, prompt)
+    for i, entry in enumerate(entries[1:], start=1):
+        want = expected[i - 1, entry.token_id].item()
+        assert abs(entry.logprob - want) < LOGPROB_TOLERANCE, (
+            f"{what}: prompt token {i} ({entry.token_id}) has logprob {entry.logprob:.6f}, transformers' "
+            f"log_softmax of the logits at position {i - 1} gives {want:.6f}"
+        )
+        top = expected[i - 1].topk(k).indices.tolist()
+        assert [t for t, _ in entry.top] == top, (
+            f"{what}: at prompt token {i} the {k} likeliest tokens are {top} (transformers), the entry lists "
+            f"{[t for t, _ in entry.top]}"
+        )

@@ -264,8 +264,15 @@ MUTANTS: list[Mutant] = [
         "s02-logprobs-no-upper-bound",
         "s02_request_and_sampling/sampling_params.py",
         "logprobs asks for at most 20 alternatives per token: refuse more when the params are built",
-        edit("if not 0 <= self.logprobs <= MAX_LOGPROBS:", "if not 0 <= self.logprobs:"),
+        edit("if not 0 <= value <= MAX_LOGPROBS:", "if not 0 <= value:"),
         r"logprobs=21\) was accepted",
+    ),
+    Mutant(
+        "s02-prompt-logprobs-unchecked",
+        "s02_request_and_sampling/sampling_params.py",
+        "prompt_logprobs is checked like logprobs: None, or 0..20 alternatives per prompt token",
+        edit('for name in ("logprobs", "prompt_logprobs"):', 'for name in ("logprobs",):'),
+        r"prompt_logprobs=.* was accepted",
     ),
     Mutant(
         "s02-logprobs-are-probabilities",
@@ -278,21 +285,9 @@ MUTANTS: list[Mutant] = [
         r"log_softmax",
     ),
     Mutant(
-        "s02-logprobs-after-temperature",
-        "s02_request_and_sampling/logprobs.py",
-        "log-probabilities describe the model's own distribution: the raw logits, before the temperature reshapes them",
-        edit(
-            "logprobs = torch.log_softmax(logits[rows].float(), dim=-1)",
-            "logprobs = torch.log_softmax(\n        logits[rows].float()\n"
-            "        / torch.tensor([max(reqs[i].sampling_params.temperature, 1e-5) for i in rows])[:, None],\n"
-            "        dim=-1,\n    )",
-        ),
-        r"temperature|raw logits",
-    ),
-    Mutant(
         "s02-logprobs-the-batchs-k",
         "s02_request_and_sampling/logprobs.py",
-        "each request gets the number of alternatives IT asked for (the batch's largest k is only what topk computes)",
+        "each row gets the number of alternatives IT asked for (the batch's largest k is only what topk computes)",
         edit(
             "tuple(zip(top_ids[j][:k_i], top_values[j][:k_i]))",
             "tuple(zip(top_ids[j], top_values[j]))",
@@ -681,10 +676,21 @@ MUTANTS: list[Mutant] = [
         "s05_continuous_batching/scheduler.py",
         "a prompt's last token is always computed (its logits give the next token): match all but the last token",
         edit(
-            "            match = self.prefix_cache.match_prefix(req.fill_ids[:-1])",
+            "            match = self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len])",
             "            match = self.prefix_cache.match_prefix(req.fill_ids)",
         ),
         r"last token",
+    ),
+    Mutant(
+        "s05-match-past-the-scored-prompt",
+        "s05_continuous_batching/scheduler.py",
+        "a request scoring its prompt (prompt_logprobs) needs logits where a cached prefix has none: match only "
+        "fill_ids[: req.max_prefix_len]",
+        edit(
+            "            match = self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len])",
+            "            match = self.prefix_cache.match_prefix(req.fill_ids[:-1])",
+        ),
+        r"max_prefix_len",
     ),
     Mutant(
         "s05-reserved-not-accumulated",

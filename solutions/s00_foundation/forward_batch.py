@@ -22,7 +22,7 @@ one copy from pinned host memory that does not make the host wait (``device.host
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Sequence
 
@@ -63,6 +63,10 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor | None = None  # [num_reqs] row of each request in the ReqToTokenPool
     out_cache_loc: torch.Tensor | None = None  # [T] the pool slot each new token's K/V is written to
     forward_mode: ForwardMode | None = None  # None: from extend_lens (ForwardMode.of)
+    # Rows of [T] whose logits the pass returns too, after every request's last token's: the
+    # prompt positions of requests that asked for their prompt's log-probabilities (stage 2's
+    # prompt_logprobs.py). Empty for almost every pass.
+    extra_logit_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.forward_mode is None:

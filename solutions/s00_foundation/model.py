@@ -155,17 +155,22 @@ class DecoderLM(nn.Module):
         """Run the batch's new tokens through the decoder.
 
         Returns float32 logits ``[num_reqs, vocab]`` at each request's last new token (the only
-        place a next token is sampled from), or ``[T, vocab]`` for every token when asked.
+        place a next token is sampled from), then one row per ``batch.extra_logit_rows`` entry
+        (``[num_reqs + len(extra_logit_rows), vocab]``); or ``[T, vocab]`` for every token when asked.
         """
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
-        if (
-            not return_all_logits and batch.forward_mode is not ForwardMode.DECODE
-        ):  # a decode's rows are its last tokens
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
+        if not return_all_logits:
+            rows = None  # a decode's rows are its last tokens
+            if batch.forward_mode is not ForwardMode.DECODE:
+                rows = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
+            if batch.extra_logit_rows:
+                last = rows if rows is not None else torch.arange(x.shape[0], device=x.device)
+                rows = torch.cat([last, torch.tensor(batch.extra_logit_rows, device=x.device)])
+            if rows is not None:
+                x = x[rows]
         return self.compute_logits(self.model.norm(x))
 
 

@@ -41,21 +41,30 @@ def token_logprobs(
 ) -> list[TokenLogprob | None]:
     """Entry i: ``token_ids[i]``'s TokenLogprob under row i of ``logits`` ([B, V], raw), with the
     ``reqs[i].sampling_params.logprobs`` likeliest tokens; None for a request that did not ask."""
-    out: list[TokenLogprob | None] = [None] * len(reqs)
-    rows = [i for i, req in enumerate(reqs) if req.sampling_params.logprobs is not None]
+    return logprob_entries(logits, token_ids, [req.sampling_params.logprobs for req in reqs])
+
+
+def logprob_entries(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], top_ks: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """Entry i: ``token_ids[i]``'s TokenLogprob under row i of ``logits`` ([B, V], raw), with the
+    ``top_ks[i]`` likeliest tokens; None where ``top_ks[i]`` is None (that row did not ask).
+    Output tokens (``token_logprobs``) and prompt tokens (prompt_logprobs.py) are read alike."""
+    out: list[TokenLogprob | None] = [None] * len(top_ks)
+    rows = [i for i, k in enumerate(top_ks) if k is not None]
     if not rows:  # nobody asked: nothing is computed
         return out
-    # BEGIN EXERCISE: each asking row's log_softmax, its sampled token's entry, its top k
+    # BEGIN EXERCISE: each asking row's log_softmax, its token's entry, its top k
     # [#log-probabilities-how-sure-the-model-was]
     logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
     ids = torch.as_tensor(token_ids, device=logits.device)[rows]
     chosen = logprobs.gather(1, ids[:, None])[:, 0]
-    k = max(reqs[i].sampling_params.logprobs for i in rows)
+    k = max(top_ks[i] for i in rows)
     top_values, top_ids = logprobs.topk(k, dim=-1)
     # to the host once, as lists (on a GPU, each .item() would wait for the device again)
     values, top_values, top_ids, sampled = chosen.tolist(), top_values.tolist(), top_ids.tolist(), ids.tolist()
     for j, i in enumerate(rows):
-        k_i = reqs[i].sampling_params.logprobs
+        k_i = top_ks[i]
         out[i] = TokenLogprob(sampled[j], values[j], tuple(zip(top_ids[j][:k_i], top_values[j][:k_i])))
     return out
     # END EXERCISE

@@ -38,6 +38,9 @@ class SamplingParams:
     # None: no log-probabilities; k: each output token's log-probability and the k most likely
     # tokens' at its position (0 = the token's own only); see logprobs.py
     logprobs: int | None = None
+    # The same for every prompt token after the first (how likely the model found the prompt
+    # itself: how a text is scored); see prompt_logprobs.py
+    prompt_logprobs: int | None = None
     # How the request's own history reshapes its logits before the draw (penalties.py):
     repetition_penalty: float = 1.0  # a token in the prompt or output: logit / r if > 0, else * r; 1 = off
     frequency_penalty: float = 0.0  # minus f for every time the token is already in the output
@@ -89,12 +92,13 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed)
             if not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1], got {self.seed}")
-        if self.logprobs is not None:
-            self.logprobs = _integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):  # None (off), or how many alternatives per token
+            value = getattr(self, name)
+            if value is not None:
+                value = _integer(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {value}")
+                setattr(self, name, value)
         self.repetition_penalty = _in_range("repetition_penalty", self.repetition_penalty, REPETITION_PENALTY_RANGE)
         self.frequency_penalty = _in_range("frequency_penalty", self.frequency_penalty, PENALTY_RANGE)
         self.presence_penalty = _in_range("presence_penalty", self.presence_penalty, PENALTY_RANGE)

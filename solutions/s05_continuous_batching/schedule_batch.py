@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from s00_foundation.forward_batch import ForwardBatch
+from s02_request_and_sampling.prompt_logprobs import PromptLogprobRows, with_prompt_rows
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.engine import prepare_forward
@@ -46,6 +47,8 @@ class ScheduleBatch:
     prefix_cache: PrefixCache
     decode_reqs: list[Req] = field(default_factory=list)  # running requests: one new token each
     prefill_reqs: list[Req] = field(default_factory=list)  # admitted this step: their uncached tokens
+    # the prompt positions the pass scores for prompt_logprobs (set by prepare_forward)
+    prompt_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)
 
     @property
     def reqs(self) -> list[Req]:
@@ -69,5 +72,8 @@ class ScheduleBatch:
 
     def prepare_forward(self) -> ForwardBatch:
         """The ForwardBatch of this step: stage 4's prepare_forward over every request (decode
-        rows first), with slots allocated through the prefix cache's eviction."""
-        return prepare_forward(self.runner, self.reqs, self.alloc_token_slots)
+        rows first), with slots allocated through the prefix cache's eviction, asking for the
+        logits of the prompt positions it scores (``prompt_rows``)."""
+        batch = prepare_forward(self.runner, self.reqs, self.alloc_token_slots)
+        self.prompt_rows = with_prompt_rows(batch, self.reqs)
+        return batch

@@ -24,6 +24,7 @@ import torch
 
 from s02_request_and_sampling.engine import append_sampled, check_not_stuck
 from s02_request_and_sampling.logprobs import TokenLogprob
+from s02_request_and_sampling.prompt_logprobs import score_prompts
 from s02_request_and_sampling.req import FinishReason, Req, TimeStats
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -252,8 +253,8 @@ class Scheduler:
         # [#admission-three-budgets-and-the-room-in-the-pool]
         while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
             req = self.waiting[0]
-            # At least the last token is computed: its logits give the next token.
-            match = self.prefix_cache.match_prefix(req.fill_ids[:-1])
+            # At least the last token is computed: its logits give the next token (max_prefix_len).
+            match = self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len])
             extend_len = self.prefill_len(req, match.cached_len, budget)
             if admitted and extend_len > budget:
                 break
@@ -324,7 +325,8 @@ class Scheduler:
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
         self.running += admitted  # from here on they hold memory (see abort_failed_step)
-        logits = self.runner.forward(batch.prepare_forward())
+        forward_batch = batch.prepare_forward()
+        logits = score_prompts(batch.prompt_rows, self.runner.forward(forward_batch))
         sampled = self.process_batch_result(batch, logits)
         check_not_stuck(self.running)
         now = self.clock()

@@ -29,8 +29,10 @@ class SchedulePolicy:
         """Reorder ``waiting`` in place: the first is the next to be admitted."""
         if self.policy == "fcfs" or len(waiting) > self.fallback_queue_len:
             return
-        # What admission will match (all but the last token); sorted() is stable: ties keep arrival order.
-        cached = {id(req): self.prefix_cache.match_prefix(req.fill_ids[:-1]).cached_len for req in waiting}
+        # What admission will match (req.max_prefix_len); sorted() is stable: ties keep arrival order.
+        cached = {
+            id(req): self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len]).cached_len for req in waiting
+        }
         ordered = sorted(waiting, key=lambda req: -cached[id(req)])
         waiting.clear()
         waiting.extend(ordered)

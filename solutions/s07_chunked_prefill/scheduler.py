@@ -169,7 +169,7 @@ class ChunkedPrefillScheduler(RadixScheduler):
         for i, req in enumerate(self.waiting):
             if i == IN_BATCH_CHECK_WINDOW:
                 break
-            match = self.prefix_cache.match_prefix(req.fill_ids[:-1])
+            match = self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len])
             start = match.cached_len
             group = ahead.setdefault((match.node, start), [])
             shared = max((common_prefix_len(req.fill_ids, other.fill_ids, start) for other in group), default=0)

@@ -23,6 +23,7 @@ import torch
 
 from s00_foundation.forward_batch import ForwardBatch
 from s02_request_and_sampling.logprobs import TokenLogprob, token_logprobs
+from s02_request_and_sampling.prompt_logprobs import PromptLogprobRows, read_prompt_rows
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampler import sample_with_penalties
 
@@ -36,6 +37,18 @@ class ForwardResult:
     end: float  # when its tokens were on the host
     # entry i: sampled request i's TokenLogprob, None if it did not ask (computed here, where the logits are)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the step's prompt_rows' entries, in order
+
+
+@dataclass
+class Step:
+    """One step as the scheduler hands it over: the batch, and what to do with its logits."""
+
+    batch: ForwardBatch
+    sample_rows: list[int]  # the rows sampled (a half-prefilled request's row is not)
+    sample_reqs: list[Req]  # sample_rows[i] belongs to sample_reqs[i]
+    future_ids: list[int]  # where each sampled token is stored for the next step to read
+    prompt_rows: PromptLogprobRows  # the prompt positions it scores (prompt_logprobs)
 
 
 class OverlapWorker:
@@ -49,59 +62,53 @@ class OverlapWorker:
         )
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def submit(
-        self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]
-    ) -> Future:
-        """Queue one step: resolve the batch's future ids, run the forward, sample the rows
-        ``sample_rows`` (row i belongs to ``sample_reqs[i]``), store the tokens under
-        ``future_ids``. Returns a Future of a ForwardResult."""
+    def submit(self, step: Step) -> Future:
+        """Queue one step: resolve the batch's future ids, run the forward, score its prompt rows,
+        sample the rows ``sample_rows`` (row i belongs to ``sample_reqs[i]``), store the tokens
+        under ``future_ids``. Returns a Future of a ForwardResult."""
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record()  # the batch's inputs and table writes, queued on the scheduler's stream
-        return self.executor.submit(self.run, batch, sample_rows, sample_reqs, future_ids, ready)
+        return self.executor.submit(self.run, step, ready)
 
-    def run_now(
-        self, batch: ForwardBatch, sample_rows: list[int], sample_reqs: list[Req], future_ids: list[int]
-    ) -> Future:
+    def run_now(self, step: Step) -> Future:
         """The same step run here, on the caller's thread, before returning (overlap off: no
         hand-over to the worker, so the plain loop pays nothing for the thread)."""
         done: Future = Future()
         try:
-            done.set_result(self.run(batch, sample_rows, sample_reqs, future_ids, None))
+            done.set_result(self.run(step, None))
         except Exception as error:  # raised where the overlapped loop would see it: at processing
             done.set_exception(error)
         return done
 
-    def run(self, batch, sample_rows, sample_reqs, future_ids, ready) -> ForwardResult:
+    def run(self, step: Step, ready) -> ForwardResult:
         start = time.perf_counter()
         with torch.inference_mode():  # a per-thread mode: the scheduler's does not reach here
             if self.stream is None or ready is None:
-                tokens, logprobs = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
-                return ForwardResult(tokens.tolist(), start, time.perf_counter(), logprobs)
+                tokens, logprobs, prompt = self.forward_and_sample(step)
+                return ForwardResult(tokens.tolist(), start, time.perf_counter(), logprobs, prompt)
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                tokens, logprobs = self.forward_and_sample(batch, sample_rows, sample_reqs, future_ids)
+                tokens, logprobs, prompt = self.forward_and_sample(step)
                 host = tokens.to("cpu", non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
             done.synchronize()  # this thread waits for the GPU; the scheduler's does not
-            return ForwardResult(host.tolist(), start, time.perf_counter(), logprobs)
+            return ForwardResult(host.tolist(), start, time.perf_counter(), logprobs, prompt)
 
-    def forward_and_sample(
-        self, batch, sample_rows, sample_reqs, future_ids
-    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
-        """The step's forward, its sampled tokens (stored under ``future_ids``) and their
+    def forward_and_sample(self, step: Step) -> tuple[torch.Tensor, list[TokenLogprob | None], list[TokenLogprob]]:
+        """The step's forward, its sampled tokens (stored under ``future_ids``), their
         log-probabilities (for the requests that asked; taken from the raw logits, before
-        ``sample`` and stage 11's mask)."""
-        self.future_map.resolve(batch.input_ids)
-        logits = self.runner.forward(batch)
-        if not sample_rows:
-            return torch.empty(0, dtype=torch.int64), []
-        logits = logits[sample_rows]
-        tokens = self.sample(logits, sample_reqs)  # (leaves ``logits`` as they are: stage 11 masks a copy)
-        self.future_map.store(future_ids, tokens)
-        return tokens, token_logprobs(logits, tokens, sample_reqs)
+        ``sample`` and stage 11's mask) and its prompt rows' entries."""
+        self.future_map.resolve(step.batch.input_ids)
+        logits, prompt = read_prompt_rows(step.prompt_rows, self.runner.forward(step.batch))
+        if not step.sample_rows:
+            return torch.empty(0, dtype=torch.int64), [], prompt
+        logits = logits[step.sample_rows]
+        tokens = self.sample(logits, step.sample_reqs)  # (leaves ``logits`` as they are: stage 11 masks a copy)
+        self.future_map.store(step.future_ids, tokens)
+        return tokens, token_logprobs(logits, tokens, step.sample_reqs), prompt
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """One token per row (stage 2's sampler, penalties included: their counts are kept here, on

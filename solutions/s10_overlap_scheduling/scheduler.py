@@ -52,6 +52,7 @@ from typing import Hashable, Sequence
 
 from s02_request_and_sampling.engine import check_not_stuck
 from s02_request_and_sampling.logprobs import TokenLogprob
+from s02_request_and_sampling.prompt_logprobs import attach_prompt_entries
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.allocator import pages_for
 from s05_continuous_batching.schedule_batch import ScheduleBatch
@@ -59,7 +60,7 @@ from s05_continuous_batching.scheduler import TokenOutput
 from s07_chunked_prefill.scheduler import ChunkedPrefillScheduler, prefill_pending
 
 from .future_map import FutureMap
-from .overlap_worker import ForwardResult, OverlapWorker
+from .overlap_worker import ForwardResult, OverlapWorker, Step
 
 FUTURES_PER_ROW = 4  # future ids alive at once per table row (two steps hold at most one each per request)
 TIMELINE_STEPS = 4096  # steps whose timings are kept (a server runs forever)
@@ -184,7 +185,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         chunked = [req for req in batch.reqs if prefill_pending(req)]
         built = self.clock()  # the CPU's part ends here (without overlap the forward runs next, on this thread)
         launch = self.worker.submit if self.enable_overlap else self.worker.run_now
-        result = launch(forward_batch, rows, sampled, future_ids)
+        result = launch(Step(forward_batch, rows, sampled, future_ids, batch.prompt_rows))
         return LaunchedBatch(
             batch, sampled, chunked, future_ids, result, (start, built), batch.prefill_tokens, retracted
         )
@@ -238,6 +239,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.cache_unfinished_req(req)
             self.running.remove(req)
             self.chunked_req = req
+        attach_prompt_entries(launched.batch.prompt_rows, result.prompt_logprobs)
         outputs, got_token = self.process_sampled(launched, result.token_ids, next_batch)
         self.attach_logprobs(launched.sampled, result.logprobs, outputs)
         self.share_prompts([req for req in launched.batch.prefill_reqs if req not in launched.chunked])

@@ -51,6 +51,7 @@ class BatchMessage:
     out_cache_loc: list[int]
     forward_mode: ForwardMode
     table_rows: list[list[int]]  # req_to_token[row, :seq_len] of each request: the slots its K/V live in
+    extra_logit_rows: list[int]  # prompt rows whose logits rank 0 scores: every rank joins their gather
 
     @classmethod
     def of(cls, batch: ForwardBatch, req_to_token: torch.Tensor) -> "BatchMessage":
@@ -65,6 +66,7 @@ class BatchMessage:
             batch.out_cache_loc.tolist(),
             batch.forward_mode,
             [req_to_token[row, :n].tolist() for row, n in zip(rows, batch.seq_lens)],
+            list(batch.extra_logit_rows),
         )
 
     def to_forward_batch(self, runner) -> ForwardBatch:
@@ -85,6 +87,7 @@ class BatchMessage:
             req_pool_indices=as_tensor(self.req_pool_indices),
             out_cache_loc=as_tensor(self.out_cache_loc),
             forward_mode=self.forward_mode,
+            extra_logit_rows=self.extra_logit_rows,
         )
         # END EXERCISE
 

@@ -13,10 +13,13 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from s00_foundation.attention import NoCacheBackend
+from s00_foundation.forward_batch import ForwardBatch
 from s00_foundation.tokenizer import Messages, Tokenizer
 from s01_naive_generate.generate import next_token_logits
 
 from .logprobs import TokenLogprob, token_logprobs
+from .prompt_logprobs import prompt_logprob_rows, score_prompts
 from .req import FinishReason, Req
 from .sampler import sample_with_penalties
 from .sampling_params import SamplingParams
@@ -34,6 +37,8 @@ class GenerateOutput:
     output_tokens: int
     seed: int  # pass it back in SamplingParams(seed=...) to get this exact output again
     logprobs: list[TokenLogprob] | None  # one per output id when SamplingParams.logprobs was set, else None
+    # one per prompt id when SamplingParams.prompt_logprobs was set (the first None: nothing precedes it), else None
+    prompt_logprobs: list[TokenLogprob | None] | None
 
 
 def encode(tokenizer: Tokenizer | None, prompt: PromptInput) -> list[int]:
@@ -116,6 +121,7 @@ def make_output(req: Req) -> GenerateOutput:
         output_tokens=len(req.output_ids),
         seed=req.seed,
         logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+        prompt_logprobs=[None, *req.prompt_logprobs] if req.sampling_params.prompt_logprobs is not None else None,
     )
 
 
@@ -140,6 +146,17 @@ def check_not_stuck(reqs: Sequence[Req]) -> None:
             )
 
 
+def next_logits(model: torch.nn.Module, req: Req) -> torch.Tensor:
+    """``req``'s next-token logits ``[vocab]``, computed from scratch (stage 1's
+    ``next_token_logits``); a request that asked for its prompt's log-probabilities gets them
+    from its first pass, which returns its prompt positions' logits too (prompt_logprobs.py)."""
+    plan = prompt_logprob_rows([req])
+    if not plan.rows:
+        return next_token_logits(model, req.fill_ids)
+    batch = ForwardBatch.build([req.fill_ids], [0], NoCacheBackend(), device=model.device, extra_logit_rows=plan.rows)
+    return score_prompts(plan, model(batch))[0]
+
+
 def generate(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -157,7 +174,7 @@ def generate(
         while running:
             # Nothing is cached in this stage, so each pass recomputes all of fill_ids
             # (cached_len is 0 and extend_len == device_len == len(fill_ids)).
-            logits = torch.stack([next_token_logits(model, req.fill_ids) for req in running])
+            logits = torch.stack([next_logits(model, req) for req in running])
             append_sampled(running, logits)
             check_not_stuck(running)
             running = [req for req in running if not req.finished]

@@ -41,10 +41,19 @@ def token_logprobs(
 ) -> list[TokenLogprob | None]:
     """Entry i: ``token_ids[i]``'s TokenLogprob under row i of ``logits`` ([B, V], raw), with the
     ``reqs[i].sampling_params.logprobs`` likeliest tokens; None for a request that did not ask."""
-    out: list[TokenLogprob | None] = [None] * len(reqs)
-    rows = [i for i, req in enumerate(reqs) if req.sampling_params.logprobs is not None]
+    return logprob_entries(logits, token_ids, [req.sampling_params.logprobs for req in reqs])
+
+
+def logprob_entries(
+    logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int], top_ks: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """Entry i: ``token_ids[i]``'s TokenLogprob under row i of ``logits`` ([B, V], raw), with the
+    ``top_ks[i]`` likeliest tokens; None where ``top_ks[i]`` is None (that row did not ask).
+    Output tokens (``token_logprobs``) and prompt tokens (prompt_logprobs.py) are read alike."""
+    out: list[TokenLogprob | None] = [None] * len(top_ks)
+    rows = [i for i, k in enumerate(top_ks) if k is not None]
     if not rows:  # nobody asked: nothing is computed
         return out
     raise NotImplementedError(
-        "Stage 2: each asking row's log_softmax, its sampled token's entry, its top k - see stages/s02_request_and_sampling/README.md#log-probabilities-how-sure-the-model-was"  # noqa: E501 (one message, the learner's to read whole)
+        "Stage 2: each asking row's log_softmax, its token's entry, its top k - see stages/s02_request_and_sampling/README.md#log-probabilities-how-sure-the-model-was"  # noqa: E501 (one message, the learner's to read whole)
     )

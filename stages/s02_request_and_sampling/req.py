@@ -95,6 +95,11 @@ class Req:
         self.output_ids: list[int] = []
         # One per output token when sampling_params.logprobs is set (whoever samples appends it)
         self.output_logprobs: list[TokenLogprob] = []
+        # One per prompt token after the first when sampling_params.prompt_logprobs is set,
+        # appended as the passes that compute the prompt score it (prompt_logprobs.py), and how
+        # many prompt positions passes were asked to score (ahead of the entries under overlap)
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.scored_len = 0
         # The tokens drawn so far as the penalties count them (penalties.py): made and kept by the
         # sampler alone (under stage 10's overlap, on the worker's thread); None without penalties
         self.penalty_state: PenaltyState | None = None
@@ -139,6 +144,16 @@ class Req:
     @property
     def extend_len(self) -> int:
         return self.device_len - self.cached_len
+
+    @property
+    def max_prefix_len(self) -> int:
+        """How many leading tokens of fill_ids a prefix cache may give this request (stage 5 on):
+        all but the last, whose logits give the next token; while it still scores its prompt
+        (prompt_logprobs), only the positions already scored, since a cached one has no logits."""
+        longest = len(self.origin_input_ids) + len(self.output_ids) - 1
+        if self.sampling_params.prompt_logprobs is not None and self.scored_len < len(self.origin_input_ids) - 1:
+            return min(longest, self.scored_len)
+        return longest
 
     # --- progress ------------------------------------------------------------------------------
 

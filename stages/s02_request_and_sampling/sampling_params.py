@@ -38,6 +38,9 @@ class SamplingParams:
     # None: no log-probabilities; k: each output token's log-probability and the k most likely
     # tokens' at its position (0 = the token's own only); see logprobs.py
     logprobs: int | None = None
+    # The same for every prompt token after the first (how likely the model found the prompt
+    # itself: how a text is scored); see prompt_logprobs.py
+    prompt_logprobs: int | None = None
     # How the request's own history reshapes its logits before the draw (penalties.py):
     repetition_penalty: float = 1.0  # a token in the prompt or output: logit / r if > 0, else * r; 1 = off
     frequency_penalty: float = 0.0  # minus f for every time the token is already in the output

@@ -50,6 +50,12 @@ def generate(
     """Generate a continuation for every prompt; outputs come back in the prompts' order
     (same arguments as stage 2's ``generate``)."""
     reqs = make_reqs(tokenizer, prompts, sampling_params, model.config.vocab_size)
+    for req in reqs:
+        if req.sampling_params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs: stage 3's engine does not score prompts (its extend returns only each request's "
+                "last logits); stage 2's engine does, and every engine from stage 4 on"
+            )
     # Preallocated: every position but the last generated token's can be written.
     cache_of = {
         req.rid: KVCache.for_model(model, capacity=len(req.origin_input_ids) + req.sampling_params.max_new_tokens - 1)

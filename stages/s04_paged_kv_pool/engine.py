@@ -31,6 +31,7 @@ from s02_request_and_sampling.engine import (  # noqa: F401
     make_output,
     make_reqs,
 )
+from s02_request_and_sampling.prompt_logprobs import score_prompts, with_prompt_rows
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
 
@@ -142,7 +143,8 @@ class StaticBatchEngine:
     def step(self) -> list[Req]:
         """One forward pass for every running request; returns the requests it finished."""
         batch = self.prepare_forward(self.running)
-        logits = self.runner.forward(batch)
+        prompt_rows = with_prompt_rows(batch, self.running)  # (a prefill's prompt rows, for prompt_logprobs)
+        logits = score_prompts(prompt_rows, self.runner.forward(batch))
         self.process_batch_result(logits)
         check_not_stuck(self.running)
         # Retire at once: a finished request's slots are free for the others from the next step on.

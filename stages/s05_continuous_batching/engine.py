@@ -97,6 +97,7 @@ def rejected_output(prompt_tokens: int, params: SamplingParams, error: Exception
         output_tokens=0,
         seed=params.seed,
         logprobs=None,
+        prompt_logprobs=None,
         ttft=None,
         latency=None,
         error=str(error),

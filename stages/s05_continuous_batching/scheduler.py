@@ -24,6 +24,7 @@ import torch
 
 from s02_request_and_sampling.engine import append_sampled, check_not_stuck  # noqa: F401
 from s02_request_and_sampling.logprobs import TokenLogprob
+from s02_request_and_sampling.prompt_logprobs import score_prompts
 from s02_request_and_sampling.req import FinishReason, Req, TimeStats
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -277,7 +278,8 @@ class Scheduler:
         batch = ScheduleBatch(self.runner, self.prefix_cache, decode_reqs=list(self.running), prefill_reqs=admitted)
         prefill_tokens = batch.prefill_tokens
         self.running += admitted  # from here on they hold memory (see abort_failed_step)
-        logits = self.runner.forward(batch.prepare_forward())
+        forward_batch = batch.prepare_forward()
+        logits = score_prompts(batch.prompt_rows, self.runner.forward(forward_batch))
         sampled = self.process_batch_result(batch, logits)
         check_not_stuck(self.running)
         now = self.clock()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import prompt_logprob_cases as scored
 from penalty_cases import assert_penalties_like_stage3, penalised_params
 from recording import PassRecorder
 from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
@@ -201,3 +202,13 @@ def test_penalties_in_a_static_batch(tiny_models_root):
     engine = StaticBatchEngine(engine_model(str(path)), pool_size=512, page_size=4, max_running_requests=6)
     got = engine.generate(engine_tokenizer(str(path)), prompts, params)
     assert_penalties_like_stage3(path, prompts, params, got, "a static batch of 6")
+
+
+def test_prompt_logprobs_in_a_static_batch(tiny_models_root):
+    """The prefill pass returns the asking requests' prompt rows after every request's last row:
+    each asking request gets one entry per prompt token, equal to transformers', the others None,
+    and the sampler still reads each request's own last row."""
+    path = tiny_models_root / "qwen3"
+    engine = StaticBatchEngine(engine_model(str(path)), pool_size=1024, page_size=4, max_running_requests=6)
+    outputs = engine.generate(engine_tokenizer(str(path)), scored.PROMPTS, scored.prompt_logprob_params())
+    scored.assert_prompt_logprobs_case(path, outputs, "stage 4's static batch")

@@ -10,6 +10,7 @@ import re
 from continuous_helpers import assert_pool_free, greedy, retraction_workload, run_to_end, tiny_engine, workload
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.req import Req
+from s02_request_and_sampling.sampling_params import SamplingParams
 from s04_paged_kv_pool.model_runner import ModelRunner
 from s05_continuous_batching.engine import Engine
 from s05_continuous_batching.prefix_cache import PrefixMatch
@@ -212,21 +213,46 @@ def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_mode
     )
 
 
+def scheduler_with_one_prefix(tiny_models_root) -> tuple[Scheduler, list[int]]:
+    """A scheduler (pool of 80 slots) whose stand-in cache holds one 16-token prefix, and that prefix."""
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=80, max_running_requests=4, max_context_len=128)
+    prefix = list(range(40, 56))
+    return Scheduler(runner, prefix_cache=OnePrefixCache(runner.allocator, prefix)), prefix
+
+
 def test_a_prompt_the_cache_holds_whole_still_computes_its_last_token(tiny_models_root):
     # The cache holds a 16-token prefix and the prompt IS that prefix. Its first output token comes
     # from the logits at its last prompt token, so at least that token must be computed: the match
     # is looked up for all tokens but the last (the stand-in cache then matches nothing).
-    model = engine_model(str(tiny_models_root / "llama"))
-    runner = ModelRunner(model, pool_size=80, max_running_requests=4, max_context_len=128)
-    prefix = list(range(40, 56))
-    scheduler = Scheduler(runner, prefix_cache=OnePrefixCache(runner.allocator, prefix))
+    scheduler, prefix = scheduler_with_one_prefix(tiny_models_root)
     scheduler.add_request(Req(0, list(prefix), greedy(2)))
     [req] = scheduler.admit_new_requests()
     computed = req.device_len - req.cached_len
     assert computed >= 1, (
         f"a prompt of {len(prefix)} tokens, all of them cached, was admitted to compute {computed} tokens "
         f"(cached_len {req.cached_len}, device_len {req.device_len}): its last token must always be computed, "
-        "since its logits give the first output token. Match the prefix of fill_ids[:-1], not of the whole prompt"
+        "since its logits give the first output token. Match the prefix of fill_ids[: req.max_prefix_len] (all but "
+        "the last token), not of the whole prompt"
+    )
+
+
+def test_a_request_scoring_its_prompt_takes_no_unscored_prefix(tiny_models_root):
+    # The same cached prefix and two prompts that start with it: the one asking for prompt_logprobs
+    # needs the logits at every prompt position, which a cached prefix does not have, so it
+    # takes nothing from the cache (req.max_prefix_len is 0: it has scored nothing yet).
+    scheduler, prefix = scheduler_with_one_prefix(tiny_models_root)
+    scoring = SamplingParams(temperature=0, max_new_tokens=2, prompt_logprobs=1)
+    scheduler.add_request(Req(0, prefix + [70, 71], greedy(2)))
+    scheduler.add_request(Req(1, prefix + [80, 81], scoring))
+    plain, scored = scheduler.admit_new_requests()
+    assert plain.cached_len == len(prefix), (
+        f"request 0 starts with the cached {len(prefix)}-token prefix and should take it (cached_len "
+        f"{plain.cached_len})"
+    )
+    assert scored.cached_len == 0, (
+        f"request 1 asked for prompt_logprobs and took {scored.cached_len} prompt tokens from the cache: cached "
+        "positions have no logits to score. Match the prefix of fill_ids[: req.max_prefix_len] (here 0 tokens)"
     )
 
 

@@ -4,9 +4,16 @@ if it ran alone."""
 
 from __future__ import annotations
 
+import prompt_logprob_cases as scored
 from continuous_helpers import assert_pool_free, retraction_workload, tiny_engine
 from penalty_cases import assert_penalties_like_stage3, penalised_params
-from reference import assert_logprobs_match, assert_same_tokens, engine_model, engine_tokenizer
+from reference import (
+    assert_logprobs_match,
+    assert_prompt_logprobs_match,
+    assert_same_tokens,
+    engine_model,
+    engine_tokenizer,
+)
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
 
@@ -94,3 +101,27 @@ def test_penalties_survive_retraction(tiny_models_root):
     assert engine.scheduler.stats.num_retractions > 0, "the workload should retract some requests (pool of 128 slots)"
     assert_penalties_like_stage3(path, prompts, params, outputs, "a retracting batch")
     assert_pool_free(engine, "after a retracting batch with penalties")
+
+
+def test_prompt_logprobs_through_retraction(tiny_models_root):
+    """Requests that asked for their prompts' log-probabilities, in a batch so short of memory that
+    some are retracted and computed again: each prompt is scored once (a recomputed prefill scores
+    nothing again), equal to transformers'; then the mixed batch of prompt_logprob_cases."""
+    path = tiny_models_root / "llama3"
+    prompts, limits = retraction_workload()
+    engine, _, _ = tiny_engine(path, pool_size=128, max_running_requests=8, new_token_ratio=0.0)
+    asks = [i % 3 if i % 2 == 0 else None for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, prompt_logprobs=k)
+        for n, k in zip(limits, asks)
+    ]
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.stats.num_retractions > 0, "the workload should retract some requests (pool of 128 slots)"
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if asks[i] is not None:
+            assert_prompt_logprobs_match(path, prompt, out, asks[i], f"request {i} of a retracting batch")
+    engine, _, _ = tiny_engine(path, pool_size=1024, max_running_requests=8)
+    scored.assert_prompt_logprobs_case(
+        path, engine.generate(scored.PROMPTS, scored.prompt_logprob_params()), "stage 5's engine"
+    )
+    assert_pool_free(engine, "after a batch with prompt_logprobs")

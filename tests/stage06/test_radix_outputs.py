@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+import prompt_logprob_cases as scored
 from radix_helpers import assert_nothing_held_but_the_tree, radix_engine, run_all
 from reference import assert_same_tokens, engine_model
 from s03_kv_cache.generate import cached_generate
@@ -127,3 +128,27 @@ def test_eviction_under_memory_pressure_keeps_outputs_identical(tiny_models_root
         )
         assert_same_tokens(req.output_ids, cached_generate(model, prompt, n), f"{who}, vs alone (stage 3)")
     assert_nothing_held_but_the_tree(engine, what)
+
+
+def test_prompt_logprobs_with_a_cached_prefix(tiny_models_root):
+    """A cached prefix has no logits. The same batch twice: the second time the tree holds every
+    prompt, yet each asking request's prompt is scored whole (it takes from the cache only what
+    it already scored: Req.max_prefix_len), while the others still use the cache."""
+    path = tiny_models_root / "llama"
+    engine, _ = radix_engine(path, pool_size=1024)
+    scored.assert_prompt_logprobs_case(
+        path, engine.generate(scored.PROMPTS, scored.prompt_logprob_params()), "stage 6, first run"
+    )
+    cached_before = engine.scheduler.stats.cached_tokens
+    scored.assert_prompt_logprobs_case(
+        path,
+        engine.generate(scored.PROMPTS, scored.prompt_logprob_params()),
+        "stage 6, again with every prompt in the tree",
+    )
+    silent = [len(prompt) - 1 for prompt, k in zip(scored.PROMPTS, scored.TOP_KS) if k is None]
+    cached = engine.scheduler.stats.cached_tokens - cached_before
+    assert cached == sum(silent), (
+        f"the second run should take {' + '.join(map(str, silent))} prompt tokens from the tree (all but the last "
+        f"of each request that did not ask; an asking request takes none: it has scored nothing yet), took {cached}"
+    )
+    assert_nothing_held_but_the_tree(engine, "after the batches with prompt_logprobs")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+import prompt_logprob_cases as scored
 from chunked_helpers import assert_pool_free_after_tree, chunked_engine, greedy, random_prompt, run_checked
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -96,3 +97,17 @@ def test_seeded_sampling_is_independent_of_the_budget(tiny_models_root):
                 ref.output_ids,
                 f"{what}: request {i} (seed {params[i].seed}) vs alone, unchunked (stage 3)",
             )
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_prompt_logprobs_across_chunks(tiny_models_root, chunk):
+    """A prompt cut in chunks is scored chunk by chunk, each position once and in order (the last
+    position of a chunk scores the first token of the next); chunks of one token make passes in
+    which every request sends one token, yet score prompt positions. Twice: the second run finds
+    the prompts in the tree."""
+    path = tiny_models_root / "qwen2"
+    engine, _ = chunked_engine(path, chunk, pool_size=1024)
+    for run in ("first run", "again, prompts cached"):
+        outputs = engine.generate(scored.PROMPTS, scored.prompt_logprob_params())
+        scored.assert_prompt_logprobs_case(path, outputs, f"chunked_prefill_size={chunk}, {run}")
+    assert_pool_free_after_tree(engine, f"chunked_prefill_size={chunk}, after prompt_logprobs")

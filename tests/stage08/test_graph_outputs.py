@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import prompt_logprob_cases as scored
 from graph_helpers import prompts_of, run_pass, runners, start
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -145,3 +146,20 @@ def test_engine_across_key_length_buckets_and_pages(tiny_models_root, page_size)
         what = f"qwen3, page_size {page_size}, request {i} ({len(prompt)}-token prompt, {n} new tokens)"
         assert_same_tokens(got[i].output_ids, hf_greedy(path, prompt, n), f"{what}, stage 8 vs transformers")
     engine.scheduler.check_invariants()
+
+
+def test_passes_that_score_prompts_run_eagerly(tiny_models_root):
+    """A graph's output holds one row per request, so a pass that also returns prompt rows never
+    replays one, even when every request sends one token (chunks of one): it runs eagerly; the
+    decodes around it still replay graphs."""
+    path = tiny_models_root / "llama_gqa_bias"
+    engine = Engine(
+        engine_model(str(path)), engine_tokenizer(str(path)), chunked_prefill_size=1, disable_cuda_graph=False
+    )
+    scored.assert_prompt_logprobs_case(
+        path, engine.generate(scored.PROMPTS, scored.prompt_logprob_params()), "stage 8 with graphs"
+    )
+    paths = engine.runner.forward_paths
+    assert paths["graph"] > 0 and paths["eager"] > 0, (
+        f"the decodes should replay graphs and the passes scoring prompts run eagerly; paths taken: {dict(paths)}"
+    )

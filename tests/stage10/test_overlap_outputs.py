@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import prompt_logprob_cases as scored
 from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, random_prompt, run_checked
 from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match, assert_same_tokens, hf_greedy
@@ -176,3 +177,16 @@ def test_penalties_count_the_token_in_flight(tiny_models_root, disable_overlap, 
         assert engine.scheduler.stats.num_retractions > 0, f"{what}: the pool was meant to be too small"
     assert_penalties_like_stage3(path, prompts, params, reqs, what)
     assert_pool_free_after_tree(engine, what)
+
+
+@pytest.mark.parametrize("disable_overlap", [False, True])
+def test_prompt_logprobs_under_overlap(tiny_models_root, disable_overlap):
+    """The worker reads the prompt rows where the logits are and the scheduler attaches them when
+    it processes the step: each prompt scored once and in order, chunks included, with and
+    without overlap; twice, the second time with the prompts in the tree."""
+    path = tiny_models_root / "qwen3"
+    engine = engine_on(path, chunked_prefill_size=8, disable_overlap=disable_overlap)
+    for run in ("first run", "again, prompts cached"):
+        outputs = engine.generate(scored.PROMPTS, scored.prompt_logprob_params())
+        scored.assert_prompt_logprobs_case(path, outputs, f"overlap {not disable_overlap}, {run}")
+    assert_pool_free_after_tree(engine, "after prompt_logprobs")

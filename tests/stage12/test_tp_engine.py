@@ -21,6 +21,7 @@ from reference import assert_logprobs_match
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
 
+import prompt_logprob_cases as scored
 from s00_foundation import cpu_ops
 from s02_request_and_sampling.sampler import sample_with_penalties
 from s10_overlap_scheduling import overlap_worker
@@ -167,3 +168,12 @@ def test_a_rank_loads_the_cpu_kernels_before_its_first_forward(tiny_models_root,
         assert loads, "building a rank's runner did not load the CPU kernels (cpu_ops.load): make_tp_runner must"
     finally:
         engine.shutdown()
+
+
+def test_prompt_logprobs_under_tp(tp2):
+    """The prompt rows are part of the step's message: every rank projects them (the logits'
+    gather takes every rank), rank 0 scores them over the whole vocabulary, equal to transformers'."""
+    path, engine = tp2
+    for run in ("first run", "again, prompts cached"):
+        outputs = engine.generate(scored.PROMPTS, scored.prompt_logprob_params())
+        scored.assert_prompt_logprobs_case(path, outputs, f"{path.name}, tp=2, {run}")
