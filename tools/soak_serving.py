@@ -127,6 +127,7 @@ FIELDS = [
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "echo",
     "not_a_field",
 ]
 PROMPTS = ["Hi", "Tell me a story.", "héllo wörld ☃ 中文", "1 + 1 =", "a\nb\n\nc"]
@@ -174,6 +175,8 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
         body["prompt"] = (
             rng.choice(PROMPTS) if rng.random() < 0.8 else [rng.randrange(0, 200) for _ in range(rng.randint(1, 8))]
         )
+    if not chat and rng.random() < 0.2:  # the answer starts with the prompt (with logprobs: its entries too)
+        body["echo"] = True
     if rng.random() < 0.3:  # log-probabilities, as each API spells them
         body.update({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if chat else {"logprobs": rng.randint(0, 5)})
     elif rng.random() < 0.2:  # several choices (their answers are checked by shape and count)
@@ -337,12 +340,14 @@ def token_bytes(token: str) -> bytes:
 
 def logprob_problems(chat: bool, body: dict, choices: list[dict], text: str) -> list[str]:
     """An answer that asked for log-probabilities: its entries' bytes joined spell its text, every
-    logprob is a finite number <= 0, and each entry has the number of alternatives asked for."""
+    logprob is a finite number <= 0, and each entry has the number of alternatives asked for
+    (with echo, the prompt's first token has neither: null)."""
     k = body["top_logprobs"] if chat else body["logprobs"]
     shown = [choice.get("logprobs") for choice in choices]
     if any(not isinstance(s, dict) for s in shown if s is not None) or all(s is None for s in shown):
         return [f"asked for logprobs, got {str(shown)[:200]}"]
     data, values, tops = b"", [], []
+    problems = []
     for s in filter(None, shown):
         if chat:
             data += b"".join(bytes(e["bytes"]) for e in s["content"])
@@ -350,14 +355,20 @@ def logprob_problems(chat: bool, body: dict, choices: list[dict], text: str) -> 
             tops += [len(e["top_logprobs"]) for e in s["content"]]
         else:
             data += b"".join(map(token_bytes, s["tokens"]))
-            values += s["token_logprobs"]
-            tops += [len(top) for top in s["top_logprobs"]]
-    problems = []
+            logprobs, top_logprobs = s["token_logprobs"], s["top_logprobs"]
+            if body.get("echo") and logprobs[:1] == [None] and top_logprobs[:1] == [None]:
+                logprobs, top_logprobs = logprobs[1:], top_logprobs[1:]  # the echoed prompt's first token
+            elif body.get("echo"):
+                problems.append(f"echo: the prompt's first token should have null logprobs, got {logprobs[:1]}")
+            values += logprobs
+            tops += [len(top) if isinstance(top, dict) else -1 for top in top_logprobs]
     if data.decode("utf-8", "replace") != text:
         problems.append(f"the entries' bytes spell {data[:80]!r}, the text is {text[:80]!r}")
     if not all(isinstance(v, float) and math.isfinite(v) and v <= 0 for v in values):
         problems.append(f"a logprob that is not a finite number <= 0: {values[:10]}")
-    if any(n > k or (chat and n != k) for n in tops):  # (a completion's {token: logprob} may merge equal texts)
+    if any(
+        n > k or n < 0 or (chat and n != k) for n in tops
+    ):  # (a completion's {token: logprob} may merge equal texts)
         problems.append(f"asked for {k} alternatives per token, got {tops[:10]}")
     return problems
 
@@ -433,12 +444,20 @@ class Soak:
             [(text, _)] = answer_texts(path, answer)  # (a body with logprobs asks for one choice)
             problems = logprob_problems(path == CHAT, body, answer_choices(answer), text)
             outcome = "200, logprobs checked against the text"
+        if not problems and answer.status_code == 200 and body.get("echo") and isinstance(body["prompt"], str):
+            problems = [
+                f"echo: the answer {text[:60]!r} does not start with the prompt {body['prompt'][:60]!r}"
+                for text, _ in answer_texts(path, answer)
+                if not text.startswith(body["prompt"])
+            ]
+            outcome += ", echo checked"
         self.record("good", outcome, problems)
 
     def structured(self, rng: random.Random) -> None:
         chat = rng.random() < 0.5
         body = {**good_body(rng, self.model, chat), "max_tokens": 24}
         body.pop("min_tokens", None)  # a grammar decides where its output ends: min_tokens is refused with one
+        body.pop("echo", None)  # (the answer alone is checked against its grammar)
         schema, regex = (rng.choice(SCHEMAS), None) if chat and rng.random() < 0.6 else (None, rng.choice(REGEXES))
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}

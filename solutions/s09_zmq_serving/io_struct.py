@@ -40,6 +40,7 @@ class GenerateReqInput:
     input_ids: list[int] | None = None
     # max_tokens was not given: generate up to the end of the context (the scheduler knows it)
     fill_max_new_tokens: bool = False
+    echo: bool = False  # a completion's echo: its answer starts with its prompt (PromptEcho)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class TokenizedGenerateReqInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     fill_max_new_tokens: bool = False
+    echo: bool = False
 
 
 @dataclass
@@ -95,6 +97,18 @@ class BatchTokenIDOut:
     completion_tokens: list[int]  # every generated token so far, a matched stop token / EOS included
     stops: list[list[str]]  # each request's stop strings: the detokenizer trims and holds back by them
     new_logprobs: list[list[TokenLogprob]]  # one per new token for a request that asked, else []
+    # rid -> its prompt, with the first output of a request that asked for echo
+    echoes: dict[str, PromptEcho] = field(default_factory=dict)
+
+
+@dataclass
+class PromptEcho:
+    """A completion's prompt as the model read it (``echo``): its ids and, when the request asked
+    for log-probabilities too, each prompt token's TokenLogprob after the first (stage 2's
+    prompt_logprobs, complete by the request's first token)."""
+
+    input_ids: list[int]
+    logprobs: list[TokenLogprob] | None
 
 
 @dataclass
@@ -112,15 +126,16 @@ class BatchStrOut:
 
 @dataclass
 class LogprobEntry:
-    """One output token's log-probability as a client reads it: the token's own text and exact
-    bytes (part of a UTF-8 character shows as U+FFFD in ``token``; the bytes stay exact), where its
-    text starts in the answer, and the likeliest tokens at its place as (text, bytes, logprob)."""
+    """One token's log-probability as a client reads it: the token's own text and exact bytes
+    (part of a UTF-8 character shows as U+FFFD in ``token``; the bytes stay exact), where its text
+    starts in the answer, and the likeliest tokens at its place as (text, bytes, logprob). An
+    echoed prompt's first token has neither logprob nor alternatives (None: nothing precedes it)."""
 
     token: str
     token_bytes: bytes
-    logprob: float
+    logprob: float | None
     text_offset: int
-    top: list[tuple[str, bytes, float]]
+    top: list[tuple[str, bytes, float]] | None
 
 
 @dataclass

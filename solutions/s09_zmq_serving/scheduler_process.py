@@ -46,6 +46,7 @@ from .io_struct import (
     DebugStateOut,
     DebugStateReq,
     ErrorOut,
+    PromptEcho,
     TokenizedGenerateReqInput,
     describe_error,
 )
@@ -100,6 +101,7 @@ class SchedulerProcess:
         self.send_to_detokenizer = send_to_detokenizer
         self.heartbeats = heartbeats
         self.reqs: dict[Hashable, Any] = {}  # rid -> the engine's Req, while it is waiting or running
+        self.echoing: set[Hashable] = set()  # the tracked requests whose first output carries their prompt (echo)
         self.context_len = context_len(engine)
 
     # --- the loop -------------------------------------------------------------------------------
@@ -141,8 +143,11 @@ class SchedulerProcess:
         try:
             if isinstance(message, TokenizedGenerateReqInput):
                 self.handle_generate_request(message)
+                if message.echo and message.rid in self.reqs:  # taken: its first output carries its prompt
+                    self.echoing.add(message.rid)
             elif isinstance(message, AbortReq):
                 self.abort_request(message.rid)
+                self.echoing.discard(message.rid)
             elif isinstance(message, DebugStateReq):
                 self.send_to_detokenizer.send_pyobj(DebugStateOut(message.rid, self.debug_state()))
             elif isinstance(message, DebugFaultReq):
@@ -159,6 +164,7 @@ class SchedulerProcess:
             )
             if isinstance(message, TokenizedGenerateReqInput) and self.reqs.pop(rid, None) is not None:
                 self.engine.abort_request(rid)  # the engine had taken it: free what it holds
+                self.echoing.discard(rid)
             if isinstance(rid, str) and not isinstance(message, AbortReq):
                 self.send_to_detokenizer.send_pyobj(
                     ErrorOut.internal(rid, error, "the scheduler failed on this request")
@@ -226,6 +232,7 @@ class SchedulerProcess:
                 # loop, forever, so they end now with it rather than wait for a timeout.
                 failed = [req for rid, req in list(self.reqs.items()) if self.engine.abort_request(rid)]
             for req in failed:
+                self.echoing.discard(req.rid)
                 if self.reqs.pop(req.rid, None) is not None:
                     self.send_to_detokenizer.send_pyobj(
                         ErrorOut.internal(str(req.rid), error, "the engine failed while running this request")
@@ -260,6 +267,10 @@ class SchedulerProcess:
                     out.rid,
                 )
                 continue
+            if out.rid in self.echoing:  # its first output: the prompt goes first (complete by now)
+                self.echoing.discard(out.rid)
+                scored = req.sampling_params.prompt_logprobs is not None
+                batch.echoes[out.rid] = PromptEcho(list(req.origin_input_ids), req.prompt_logprobs if scored else None)
             if out.finish_reason is not None:
                 del self.reqs[out.rid]
                 if out.finish_reason.type == "abort" and req.grammar_error is not None:
@@ -289,6 +300,9 @@ class SchedulerProcess:
                 tree.check()
         except AssertionError as error:
             return str(error)
+        if not self.echoing <= self.reqs.keys():
+            stray = sorted(map(str, self.echoing - self.reqs.keys()))
+            return f"requests to echo that this process no longer tracks: {stray}"
         return None
 
     def debug_state(self) -> dict[str, Any]:

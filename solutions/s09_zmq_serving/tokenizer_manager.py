@@ -57,7 +57,7 @@ class TokenizerManager:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise PromptError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
-        return TokenizedGenerateReqInput(req.rid, ids, req.sampling_params, req.fill_max_new_tokens)
+        return TokenizedGenerateReqInput(req.rid, ids, req.sampling_params, req.fill_max_new_tokens, req.echo)
 
     def check_names_are_used(self, messages: list[dict[str, str]]) -> None:
         """A message's ``name`` must reach the prompt: rendered with a marker in place of each

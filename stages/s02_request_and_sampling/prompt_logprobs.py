@@ -111,7 +111,7 @@ def read_prompt_rows(plan: PromptLogprobRows, logits: torch.Tensor) -> tuple[tor
     if not plan.rows:
         return logits, []
     entries = logprob_entries(logits[num_reqs:], plan.token_ids, plan.top_ks)
-    return logits[:num_reqs], entries  # type: ignore[return-value]  (every row asked: no None)
+    return logits[:num_reqs], [entry for entry in entries if entry is not None]  # (every row asked: none is None)
 
 
 def attach_prompt_entries(plan: PromptLogprobRows, entries: Sequence[TokenLogprob]) -> None:

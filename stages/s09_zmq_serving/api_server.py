@@ -166,8 +166,12 @@ class OpenAIServing:
         check_supported(body)
         text, ids = completion_prompt(body)
         params, fill = to_sampling_params(body)
+        if body.echo and params.logprobs is not None:  # the echoed prompt comes with its own entries
+            params = replace(params, prompt_logprobs=params.logprobs)
         params = await self.constrain(params, None, body.regex)
-        req = GenerateReqInput(new_id("cmpl"), params, text=text, input_ids=ids, fill_max_new_tokens=fill)
+        req = GenerateReqInput(
+            new_id("cmpl"), params, text=text, input_ids=ids, fill_max_new_tokens=fill, echo=body.echo
+        )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await self.generate(request, req, body.n or 1, body.stream, include_usage, model, "completion")
 

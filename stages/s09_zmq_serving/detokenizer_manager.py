@@ -32,7 +32,7 @@ from s02_request_and_sampling.detokenizer import Decoder, IncrementalDetokenizer
 from s02_request_and_sampling.req import FinishReason, find_stop_str  # noqa: F401
 
 from .io_struct import BatchStrOut, BatchTokenIDOut, DebugFaultReq, DebugStateOut, ErrorOut, LogprobEntry
-from .logprob_stream import LogprobStream
+from .logprob_stream import LogprobStream, echo_prompt
 from .worker_loop import Fault, serve_messages
 
 logger = logging.getLogger(__name__)
@@ -126,12 +126,15 @@ class DetokenizerManager:
             return "", []
         self.fault.fire()
         new_ids, logprobs = batch.new_token_ids[i], batch.new_logprobs[i]
+        echo = batch.echoes.get(rid)  # (with its first output only) the prompt goes first
+        prompt, prompt_entries = ("", []) if echo is None else echo_prompt(self.tokenizer, echo)
         stream = self.logprob_streams.get(rid)
         if stream is None and logprobs:  # its first token: the request asked
-            stream = self.logprob_streams[rid] = LogprobStream(self.tokenizer)
+            stream = self.logprob_streams[rid] = LogprobStream(self.tokenizer, base=len(prompt))
         if stream is None:
-            return status.step(new_ids, reason), []
-        return stream.step(status, new_ids, logprobs, reason)
+            return prompt + status.step(new_ids, reason), prompt_entries
+        text, entries = stream.step(status, new_ids, logprobs, reason)
+        return prompt + text, prompt_entries + entries
 
     def forget(self, rid: str) -> None:
         """The request is over, or ended in an error elsewhere (the scheduler's ErrorOut passes

@@ -34,7 +34,7 @@ from s00_foundation.tokenizer import Tokenizer
 from s02_request_and_sampling.logprobs import TokenLogprob
 from s02_request_and_sampling.req import FinishReason
 
-from .io_struct import LogprobEntry
+from .io_struct import LogprobEntry, PromptEcho
 
 if TYPE_CHECKING:  # only types: detokenizer_manager.py imports this module
     from .detokenizer_manager import DecodeStatus
@@ -43,8 +43,10 @@ if TYPE_CHECKING:  # only types: detokenizer_manager.py imports this module
 class LogprobStream:
     """One request's entries not sent yet, and where each one's text lies once it is released."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, base: int = 0):
+        """``base``: where the answer starts in the choice's text (after an echoed prompt)."""
         self.tokenizer = tokenizer
+        self.base = base
         self.waiting: list[TokenLogprob] = []  # in token order: the newest tokens of the output
         self.spans: list[tuple[int, int] | None] = []  # each waiting token's (start, end) in the text; None: unplaced
         self.placed_to = 0  # where the text of the tokens placed so far ends
@@ -114,9 +116,39 @@ class LogprobStream:
         entries = []
         for logprob, span in zip(self.waiting[:count], self.spans[:count]):
             token, data = self.shown(logprob.token_id)
-            top = self.tokenizer.token_pieces([token_id for token_id, _ in logprob.top])
-            alternatives = [(text, piece, value) for (text, piece), (_, value) in zip(top, logprob.top)]
             assert span is not None, "only placed tokens are released"
-            entries.append(LogprobEntry(token, data, logprob.logprob, span[0], alternatives))
+            entries.append(
+                LogprobEntry(
+                    token, data, logprob.logprob, self.base + span[0], named_alternatives(self.tokenizer, logprob)
+                )
+            )
         del self.waiting[:count], self.spans[:count]
         return entries
+
+
+def named_alternatives(tokenizer: Tokenizer, logprob: TokenLogprob) -> list[tuple[str, bytes, float]]:
+    """The likeliest tokens at a place as (text, bytes, logprob), each named by its own text (a
+    control token by its name)."""
+    pieces = tokenizer.token_pieces([token_id for token_id, _ in logprob.top])
+    return [(text, data, value) for (text, data), (_, value) in zip(pieces, logprob.top)]
+
+
+def echo_prompt(tokenizer: Tokenizer, echo: PromptEcho) -> tuple[str, list[LogprobEntry]]:
+    """A completion's echoed prompt (``echo``) as the model read it: its text, the tokens' bytes
+    joined (a control token spelled out: it is part of what the client sent), and, when the
+    request asked for log-probabilities, one entry per prompt token, the first with neither
+    logprob nor alternatives (nothing precedes it; OpenAI's null)."""
+    pieces = tokenizer.token_pieces(echo.input_ids)
+    text = b"".join(data for _, data in pieces).decode("utf-8", errors="replace")
+    if echo.logprobs is None:
+        return text, []
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    entries, at = [], 0
+    for i, (token, data) in enumerate(pieces):
+        scored = echo.logprobs[i - 1] if i else None
+        if scored is None:
+            entries.append(LogprobEntry(token, data, None, at, None))
+        else:
+            entries.append(LogprobEntry(token, data, scored.logprob, at, named_alternatives(tokenizer, scored)))
+        at += len(decoder.decode(data))  # (half a character is not text yet: both halves start at one place)
+    return text, entries

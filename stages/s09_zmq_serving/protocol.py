@@ -21,8 +21,11 @@ What a field means, and what this server does with it:
     logit_bias                 {"token id": -100..100}: the key a token id of the vocabulary
     min_tokens                 extension (vLLM's and SGLang's): EOS is banned until this many
                                tokens are out (stage 2's min_new_tokens); 0..max_tokens
+    echo                       completions: the answer starts with the prompt as the model read
+                               it; with logprobs, the prompt's tokens first (stage 2's
+                               prompt_logprobs; the first one's null): how a text is scored
 
-A field that would change the result and that this server does not do (tools, echo, best_of,
+A field that would change the result and that this server does not do (tools, suffix, best_of,
 ...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
 is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
 
@@ -172,7 +175,6 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
         ]
     else:
         unsupported += [
-            ("echo", request.echo, "echo is not supported by this server"),
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported by this server"),
             ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported by this server"),
         ]
@@ -427,12 +429,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def chat_logprobs(entries: list[LogprobEntry]) -> dict:
     """Chat's shape: one object per token, its alternatives inside it, bytes as integers."""
 
-    def one(token: str, data: bytes, logprob: float) -> dict:
+    def one(token: str, data: bytes, logprob: float | None) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(data)}
 
     return {
         "content": [
-            {**one(e.token, e.token_bytes, e.logprob), "top_logprobs": [one(*alt) for alt in e.top]} for e in entries
+            {**one(e.token, e.token_bytes, e.logprob), "top_logprobs": [one(*alt) for alt in e.top or ()]}
+            for e in entries
         ],
         "refusal": None,
     }
@@ -449,11 +452,14 @@ def completion_token(data: bytes) -> str:
 
 
 def completion_logprobs(entries: list[LogprobEntry]) -> dict:
-    """The completions API's shape: parallel lists, and the alternatives as {token: logprob}."""
+    """The completions API's shape: parallel lists, and the alternatives as {token: logprob}; an
+    echoed prompt's first token has null for both (nothing precedes it)."""
     return {
         "tokens": [completion_token(e.token_bytes) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{completion_token(data): value for _, data, value in e.top} for e in entries],
+        "top_logprobs": [
+            None if e.top is None else {completion_token(data): value for _, data, value in e.top} for e in entries
+        ],
         "text_offset": [e.text_offset for e in entries],
     }
 

@@ -53,6 +53,17 @@ def test_logprobs_that_spell_the_text_pass_and_the_others_do_not():
     assert logprob_problems(True, body, [{"logprobs": None}], "h"), "asked and got none: a problem"
 
 
+def test_an_echoed_prompts_first_entry_is_null():
+    """With echo, the prompt's first token has null logprob and alternatives: accepted there, a
+    problem anywhere else (and its absence a problem with echo)."""
+    echoed = {"tokens": ["h", "i", "!"], "token_logprobs": [None, -1.0, -0.5], "top_logprobs": [None, {}, {}]}
+    choices = [{"logprobs": {**echoed, "text_offset": [0, 1, 2]}}]
+    assert logprob_problems(False, {"logprobs": 0, "echo": True}, choices, "hi!") == []
+    assert logprob_problems(False, {"logprobs": 0}, choices, "hi!"), "a null logprob without echo: a problem"
+    plain = [{"logprobs": {**echoed, "token_logprobs": [-2.0, -1.0, -0.5], "top_logprobs": [{}] * 3}}]
+    assert "null" in logprob_problems(False, {"logprobs": 0, "echo": True}, plain, "hi!")[0]
+
+
 def chunk(index: int, text: str, finish: str | None = None) -> dict:
     return {"object": "text_completion", "choices": [{"index": index, "text": text, "finish_reason": finish}]}
 

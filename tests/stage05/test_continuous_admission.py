@@ -213,7 +213,7 @@ def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_mode
     )
 
 
-def scheduler_with_one_prefix(tiny_models_root) -> tuple[Scheduler, list[int]]:
+def scheduler_with_one_prefix(tiny_models_root):
     """A scheduler (pool of 80 slots) whose stand-in cache holds one 16-token prefix, and that prefix."""
     model = engine_model(str(tiny_models_root / "llama"))
     runner = ModelRunner(model, pool_size=80, max_running_requests=4, max_context_len=128)

@@ -317,7 +317,8 @@ def logprob_rows(client: OpenAI, kind: str, stream: bool, **request) -> tuple[st
                 for token, value, top, offset in zip(
                     shown.tokens, shown.token_logprobs, shown.top_logprobs, shown.text_offset
                 ):
-                    rows.append((token_bytes(token), value, [(token_bytes(t), v) for t, v in top.items()], offset))
+                    alternatives = None if top is None else [(token_bytes(t), v) for t, v in top.items()]
+                    rows.append((token_bytes(token), value, alternatives, offset))
     return text, rows
 
 
@@ -374,6 +375,63 @@ def test_logprobs_equal_the_offline_engines(tiny_server):
                 assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text), (
                     f"{what}: text_offset is where each token's text starts: got {offsets} for {text!r} ({starts})"
                 )
+
+
+def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(tiny_server):
+    """A completion with echo: the text is the prompt as the model read it, then the answer; with
+    logprobs, one entry per prompt token first (the first null: nothing precedes it), each the
+    offline engine's prompt_logprobs, then the answer's entries, their bytes joined the text and
+    text_offset counted from the prompt's start. Streamed or not, a text or a token-id prompt,
+    every choice of n."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
+    prompt = "héllo wörld"
+    ids = tokenizer.encode(prompt)
+    [expected] = offline_outputs(engine, [ids], greedy(6, logprobs=2, prompt_logprobs=2, ignore_eos=True))
+    request = dict(model=path.name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, echo=True)
+    for stream in (False, True):
+        for sent in (prompt, ids):
+            what = f"echo (stream={stream}, a {'text' if sent is prompt else 'token-id'} prompt)"
+            text, _ = logprob_rows(client, "completion", stream, prompt=sent, **request)
+            assert text == prompt + expected.text, (
+                f"{what}: the text should be the prompt {prompt!r} then the answer {expected.text!r}, got {text!r}"
+            )
+        what = f"echo with logprobs=2 (stream={stream})"
+        text, rows = logprob_rows(client, "completion", stream, prompt=prompt, logprobs=2, **request)
+        assert text == prompt + expected.text, f"{what}: the text {text!r}, expected the prompt then the answer"
+        assert len(rows) == len(ids) + len(expected.output_ids), (
+            f"{what}: {len(rows)} entries; expected one per prompt token ({len(ids)}), then one per answer token "
+            f"({len(expected.output_ids)}); echo with logprobs must ask the engine for prompt_logprobs"
+        )
+        first, prompt_rows, answer_rows = rows[0], rows[1 : len(ids)], rows[len(ids) :]
+        assert first[1] is None and first[2] is None, (
+            f"{what}: the first prompt token has no logprob and no alternatives (null), got {first[1:3]}"
+        )
+        for i, (row, entry) in enumerate(zip(prompt_rows, expected.prompt_logprobs[1:]), start=1):
+            want = tokenizer.token_pieces([entry.token_id])[0][1]
+            assert row[0] == want and abs(row[1] - entry.logprob) < 1e-4, (
+                f"{what}: prompt entry {i} is {row[0]!r} with {row[1]}; the offline engine's prompt_logprobs say "
+                f"{want!r} with {entry.logprob:.6f}"
+            )
+            tops = [tokenizer.token_pieces([t])[0][1] for t, _ in entry.top]
+            assert [a for a, _ in row[2]] == tops, f"{what}: prompt entry {i}'s alternatives {row[2]}, expected {tops}"
+        for i, (row, entry) in enumerate(zip(answer_rows, expected.logprobs)):
+            assert abs(row[1] - entry.logprob) < 1e-4, (
+                f"{what}: answer entry {i} has {row[1]}, the offline engine's {entry.logprob:.6f}"
+            )
+        assert b"".join(row[0] for row in rows).decode("utf-8", "replace") == text, (
+            f"{what}: the entries' bytes joined should spell the text {text!r}"
+        )
+        offsets = [row[3] for row in rows]
+        assert offsets[0] == 0 and offsets == sorted(offsets) and answer_rows[0][3] == len(prompt), (
+            f"{what}: text_offset counts from the echoed prompt's start: the answer's first token at {len(prompt)}; "
+            f"got {offsets}"
+        )
+    answer = client.completions.create(prompt=prompt, n=2, **request)
+    assert [c.text for c in answer.choices] == [prompt + expected.text] * 2, (
+        f"echo with n=2: each choice starts with the prompt; got {[c.text for c in answer.choices]}"
+    )
+    assert answer.usage.prompt_tokens == len(ids), f"echo does not change usage: {answer.usage}"
 
 
 def test_n_choices_each_follow_their_own_seed(tiny_server):
