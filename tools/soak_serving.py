@@ -181,6 +181,8 @@ def good_body(rng: random.Random, model: str, chat: bool) -> dict:
         body.update({"logprobs": True, "top_logprobs": rng.randint(0, 5)} if chat else {"logprobs": rng.randint(0, 5)})
     elif rng.random() < 0.2:  # several choices (their answers are checked by shape and count)
         body["n"] = rng.randint(2, 4)
+        if not chat and rng.random() < 0.5:  # for a batch of prompts: n choices each
+            body["prompt"] = [rng.choice(PROMPTS) for _ in range(rng.randint(2, 4))]
     if rng.random() < 0.2:  # penalties and a bias (the answer is checked by shape only)
         body["presence_penalty"], body["frequency_penalty"] = rng.uniform(-2, 2), rng.uniform(-2, 2)
         body["repetition_penalty"] = rng.uniform(0.5, 2)
@@ -254,8 +256,9 @@ def stream_problems(chunks: list[dict], chat: bool, include_usage: bool, n: int 
     for c in with_choices:
         for choice in c["choices"]:
             by_index.setdefault(choice.get("index"), []).append(choice)
-    if sorted(by_index, key=str) != list(range(n)):
-        problems.append(f"{n} choice(s) numbered 0..{n - 1}; got the indices {sorted(by_index, key=str)}")
+    indices = sorted(by_index, key=lambda i: (0, i, "") if isinstance(i, int) else (1, 0, str(i)))
+    if indices != list(range(n)):
+        problems.append(f"{n} choice(s) numbered 0..{n - 1}; got the indices {indices}")
     for index, choices in by_index.items():
         finishes = [ch.get("finish_reason") for ch in choices if ch.get("finish_reason")]
         if len(finishes) != 1 or not choices[-1].get("finish_reason"):
@@ -275,9 +278,14 @@ def stream_problems(chunks: list[dict], chat: bool, include_usage: bool, n: int 
 
 
 def choices_asked(body: dict | None) -> int:
-    """How many choices a well-formed answer to ``body`` holds (its n, 1 if absent)."""
+    """How many choices a well-formed answer to ``body`` holds: its n (1 if absent) for each prompt
+    of a batch (a prompt that is a list of strings and lists)."""
     n = body.get("n") if isinstance(body, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return n * len(prompt)
+    return n
 
 
 def answer_problems(path: str, body: dict | None, answer: requests.Response, allowed: set[int]) -> list[str]:
@@ -346,23 +354,34 @@ def logprob_problems(chat: bool, body: dict, choices: list[dict], text: str) -> 
     shown = [choice.get("logprobs") for choice in choices]
     if any(not isinstance(s, dict) for s in shown if s is not None) or all(s is None for s in shown):
         return [f"asked for logprobs, got {str(shown)[:200]}"]
-    data, values, tops = b"", [], []
-    problems = []
-    for s in filter(None, shown):
+    pieces: list[bytes] = []
+    values, tops = [], []
+    problems, started = [], set()  # the choices whose first entries were seen (a stream splits them)
+    for choice, s in zip(choices, shown):
+        if s is None:
+            continue
         if chat:
-            data += b"".join(bytes(e["bytes"]) for e in s["content"])
+            pieces += [bytes(e["bytes"]) for e in s["content"]]
             values += [e["logprob"] for e in s["content"]]
             tops += [len(e["top_logprobs"]) for e in s["content"]]
         else:
-            data += b"".join(map(token_bytes, s["tokens"]))
+            pieces += map(token_bytes, s["tokens"])
             logprobs, top_logprobs = s["token_logprobs"], s["top_logprobs"]
-            if body.get("echo") and logprobs[:1] == [None] and top_logprobs[:1] == [None]:
+            first = logprobs and choice.get("index") not in started
+            if logprobs:
+                started.add(choice.get("index"))
+            if body.get("echo") and first and logprobs[:1] == [None] and top_logprobs[:1] == [None]:
                 logprobs, top_logprobs = logprobs[1:], top_logprobs[1:]  # the echoed prompt's first token
-            elif body.get("echo"):
+            elif body.get("echo") and first:
                 problems.append(f"echo: the prompt's first token should have null logprobs, got {logprobs[:1]}")
             values += logprobs
             tops += [len(top) if isinstance(top, dict) else -1 for top in top_logprobs]
-    if data.decode("utf-8", "replace") != text:
+    # An echoed prompt and its answer are decoded each on its own: a token-id prompt that ends
+    # inside a character shows its part of it as U+FFFD (and the answer's first bytes too).
+    prompt = body.get("prompt")
+    cut = len(prompt) if body.get("echo") and isinstance(prompt, list) else 0
+    data = b"".join(pieces)
+    if b"".join(pieces[:cut]).decode("utf-8", "replace") + b"".join(pieces[cut:]).decode("utf-8", "replace") != text:
         problems.append(f"the entries' bytes spell {data[:80]!r}, the text is {text[:80]!r}")
     if not all(isinstance(v, float) and math.isfinite(v) and v <= 0 for v in values):
         problems.append(f"a logprob that is not a finite number <= 0: {values[:10]}")

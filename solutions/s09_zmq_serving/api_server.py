@@ -48,7 +48,7 @@ from .protocol import (
     check_limits,
     check_supported,
     completion_chunk,
-    completion_prompt,
+    completion_prompts,
     error_body,
     new_id,
     to_sampling_params,
@@ -166,22 +166,31 @@ class OpenAIServing:
         params = await self.constrain(params, body.response_format, body.regex)
         req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, fill_max_new_tokens=fill)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(request, req, body.n or 1, body.stream, include_usage, model, "chat")
+        return await self.generate(request, req.rid, [req], body.n or 1, body.stream, include_usage, model, "chat")
 
     async def completions(self, body: CompletionRequest, request: Request):
         check_limits(body, self.limits)
         model = self.check_model(body.model)
         check_supported(body)
-        text, ids = completion_prompt(body)
+        prompts = completion_prompts(body)
         params, fill = to_sampling_params(body)
         if body.echo and params.logprobs is not None:  # the echoed prompt comes with its own entries
             params = replace(params, prompt_logprobs=params.logprobs)
         params = await self.constrain(params, None, body.regex)
-        req = GenerateReqInput(
-            new_id("cmpl"), params, text=text, input_ids=ids, fill_max_new_tokens=fill, echo=body.echo
-        )
+        rid = new_id("cmpl")
+        reqs = [
+            GenerateReqInput(
+                rid if len(prompts) == 1 else f"{rid}-p{i}",
+                params,
+                text=text,
+                input_ids=ids,
+                fill_max_new_tokens=fill,
+                echo=body.echo,
+            )
+            for i, (text, ids) in enumerate(prompts)
+        ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(request, req, body.n or 1, body.stream, include_usage, model, "completion")
+        return await self.generate(request, rid, reqs, body.n or 1, body.stream, include_usage, model, "completion")
 
     async def constrain(self, params, response_format: dict | None, regex: str | None):
         """response_format and regex need stage 11's engine (structured output): imported here,
@@ -208,22 +217,26 @@ class OpenAIServing:
     async def generate(
         self,
         request: Request,
-        req: GenerateReqInput,
+        answer_id: str,
+        prompts: list[GenerateReqInput],
         n: int,
         stream: bool,
         include_usage: bool,
         model: str,
         kind: str,
     ):
-        """Send ``req`` on (as ``n`` engine requests, one per choice) and answer with what comes
-        back: the whole answer, or a stream."""
+        """Send each of ``prompts`` on (as ``n`` engine requests, one per choice: choice i * n + j
+        is prompt i's j-th) and answer ``answer_id`` with what comes back: the whole answer, or a
+        stream."""
         client = self.client
         assert client is not None, "the app has not started"
-        asked = req.sampling_params.logprobs is not None
+        asked = prompts[0].sampling_params.logprobs is not None
         timeout = self.server_args.request_timeout
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        reqs = choices_of(req, n)
+        groups = [choices_of(prompt, n) for prompt in prompts]
+        reqs = [r for group in groups for r in group]
         rids = [r.rid for r in reqs]
+        prompt_of = {r.rid: i for i, group in enumerate(groups) for r in group}  # usage counts each prompt once
         queue = client.open(rids, self.max_in_flight)
         for r in reqs:
             client.send(r)
@@ -234,9 +247,9 @@ class OpenAIServing:
             if isinstance(first, ErrorOut):
                 raise rejection(first, kind)
             if not stream:
-                pieces = [out async for out in client.outputs(rids, queue, first, request, deadline)]
+                pieces = [out async for out in client.outputs(rids, queue, first, request, deadline, prompt_of)]
                 choices, counts = whole_choices(rids, pieces, asked)
-                return whole_answer(kind, req.rid, model, choices, counts)
+                return whole_answer(kind, answer_id, model, choices, counts)
         except ClientGone:
             client.abort(rids)
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
@@ -247,8 +260,8 @@ class OpenAIServing:
             client.abort(rids)
             raise
         # During a stream Starlette itself notices a client that leaves: it cancels the body.
-        outputs = client.outputs(rids, queue, first, None, deadline)
-        events = self.events(req.rid, rids, outputs, include_usage, model, kind, asked)
+        outputs = client.outputs(rids, queue, first, None, deadline, prompt_of)
+        events = self.events(answer_id, rids, outputs, include_usage, model, kind, asked)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(

@@ -5,7 +5,8 @@ What a field means, and what this server does with it:
 
     model                      must be a name /v1/models lists, else 404 model_not_found
     messages / prompt          chat goes through the chat template; a completion prompt is
-                               tokenized as it is (a string, or a list of token ids)
+                               tokenized as it is (a string, or a list of token ids), or a
+                               batch of up to 64 of them: choice i * n + j is prompt i's j-th
     max_tokens                 (or max_completion_tokens) >= 1; absent: up to the end of the context
     temperature top_p seed     as OpenAI; top_k min_p ignore_eos are extensions (SGLang's too)
     stop                       a string or a list of strings, trimmed from the text
@@ -58,6 +59,7 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longe
 MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
 MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
 MAX_CHOICES = 16  # n: each choice is a request of its own in the engine (OpenAI allows 128)
+MAX_PROMPTS = 64  # a completion's batch of prompts: each prompt's n choices are requests of their own
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (OpenAI's limit; chat's top_logprobs go to 20)
 # An error message longer than this is cut: a malformed 400 KB regex once came back as a 1.6 MB
 # error, quoted four times by the grammar library
@@ -152,7 +154,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[Any]  # one string or one list of token ids; completion_prompt says what else is wrong
+    prompt: str | list[Any]  # a string, token ids, or a batch of them; completion_prompts says what is wrong
     echo: bool = False
     suffix: Name | None = None
     best_of: int | None = None
@@ -253,20 +255,24 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
             for m in request.messages
         )
         where = "messages"
-    elif isinstance(request.prompt, str):
-        chars, where = len(request.prompt), "prompt"
     else:
-        chars, where = 0, "prompt"
-        ids = [p for p in request.prompt if isinstance(p, int)]
-        if len(ids) > context:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} token ids, more than the context of {context} tokens", param="prompt"
-            )
-        bad = [t for t in ids if not 0 <= t < limits.prompt_vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token ids must be in [0, {limits.prompt_vocab_size}), got {bad[:5]}", param="prompt"
-            )
+        # each prompt of a batch on its own: each is a request of its own, tokenized on its own
+        prompt, where = request.prompt, "prompt"
+        prompts = prompt if isinstance(prompt, list) and is_batch(prompt) else [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise InvalidRequest(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+        chars = max((len(p) for p in prompts if isinstance(p, str)), default=0)
+        for one in prompts:
+            ids = [p for p in one if isinstance(p, int)] if isinstance(one, list) else []
+            if len(ids) > context:
+                raise InvalidRequest(
+                    f"the prompt has {len(ids)} token ids, more than the context of {context} tokens", param="prompt"
+                )
+            bad = [t for t in ids if not 0 <= t < limits.prompt_vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token ids must be in [0, {limits.prompt_vocab_size}), got {bad[:5]}", param="prompt"
+                )
     if chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"the prompt has {chars} characters, more than the {limits.max_prompt_chars} this server takes "
@@ -324,23 +330,37 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-def completion_prompt(request: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids): one prompt per request."""
+def completion_prompts(request: CompletionRequest) -> list[tuple[str | None, list[int] | None]]:
+    """The completion's prompts, each (text, None) or (None, token ids), in OpenAI's four shapes:
+    one string, one list of token ids, or a batch of them (a list of strings and lists of ids)."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        return prompt, None
+        return [(prompt, None)]
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest(
-            "prompt must be one string or one list of token ids (a batch of prompts is not supported)", param="prompt"
-        )
-    not_ids = [p for p in prompt if type(p) is not int]  # (a bool is an int to Python, not to JSON)
+    if not is_batch(prompt):
+        return [(None, token_ids(prompt, "prompt"))]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
+    return [(p, None) if isinstance(p, str) else (None, token_ids(p, f"prompt.{i}")) for i, p in enumerate(prompt)]
+
+
+def is_batch(prompt: list) -> bool:
+    """A list prompt is a batch when it holds strings and lists (else it is one prompt's token ids)."""
+    return bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+
+
+def token_ids(values: list, where: str) -> list[int]:
+    """One prompt's token ids, checked: a non-empty list of integers >= 0 (the vocabulary's bound
+    is check_limits')."""
+    if not values:
+        raise InvalidRequest(f"{where} must not be empty", param="prompt")
+    not_ids = [p for p in values if type(p) is not int]  # (a bool is an int to Python, not to JSON)
     if not_ids:
-        raise InvalidRequest(f"prompt token ids must be integers, got {not_ids[0]!r:.40}", param="prompt")
-    if any(p < 0 for p in prompt):
-        raise InvalidRequest("prompt token ids must be >= 0", param="prompt")
-    return None, list(prompt)
+        raise InvalidRequest(f"{where}: token ids must be integers, got {not_ids[0]!r:.40}", param="prompt")
+    if any(p < 0 for p in values):
+        raise InvalidRequest(f"{where}: token ids must be >= 0", param="prompt")
+    return list(values)
 
 
 TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: int() would also read " 5", "+5" and "５"

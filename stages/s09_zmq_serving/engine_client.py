@@ -163,18 +163,26 @@ class EngineClient:
             getter.cancel()
 
     async def outputs(
-        self, rids: list[str], queue: asyncio.Queue, first, request: Request | None, deadline: float | None
+        self,
+        rids: list[str],
+        queue: asyncio.Queue,
+        first,
+        request: Request | None,
+        deadline: float | None,
+        prompt_of: dict[str, int] | None = None,
     ) -> AsyncIterator[OutputPiece]:
         """The answer of the engine requests ``rids`` (sharing ``queue``), piece by piece as they
-        come (starting with ``first``), until every one has finished. Each piece's
-        completion_tokens are the whole API request's so far (every choice's), so the last piece
-        holds its usage. A worker error raises InvalidRequest."""
-        running, generated, item = set(rids), {}, first
+        come (starting with ``first``), until every one has finished. Each piece's counts are the
+        whole API request's so far: every choice's completion_tokens, and each prompt's tokens once
+        (``prompt_of``: which prompt of a batch each rid answers; by default they share one), so
+        the last piece holds its usage. A worker error raises InvalidRequest."""
+        running, generated, prompts, item = set(rids), {}, {}, first
         while True:
             if isinstance(item, ErrorOut):
                 raise rejection(item)
             generated[item.rid] = item.completion_tokens
-            yield replace(item, completion_tokens=sum(generated.values()))
+            prompts[(prompt_of or {}).get(item.rid, 0)] = item.prompt_tokens
+            yield replace(item, completion_tokens=sum(generated.values()), prompt_tokens=sum(prompts.values()))
             if item.finish_reason is not None:
                 running.discard(item.rid)
                 if not running:

@@ -62,6 +62,17 @@ def test_an_echoed_prompts_first_entry_is_null():
     assert logprob_problems(False, {"logprobs": 0}, choices, "hi!"), "a null logprob without echo: a problem"
     plain = [{"logprobs": {**echoed, "token_logprobs": [-2.0, -1.0, -0.5], "top_logprobs": [{}] * 3}}]
     assert "null" in logprob_problems(False, {"logprobs": 0, "echo": True}, plain, "hi!")[0]
+    # streamed: only each choice's first chunk starts with the prompt
+    chunks = [
+        {"index": 0, "logprobs": {"tokens": ["h"], "token_logprobs": [None], "top_logprobs": [None]}},
+        {"index": 0, "logprobs": {"tokens": ["i"], "token_logprobs": [-1.0], "top_logprobs": [{}]}},
+    ]
+    assert logprob_problems(False, {"logprobs": 0, "echo": True}, chunks, "hi") == []
+    # a token-id prompt that ends inside a character: the prompt and the answer decode on their own
+    split = [{"logprobs": {"tokens": ["h", "bytes:\\xc3", "bytes:\\xa9"], "token_logprobs": [None, -1.0, -1.0]}}]
+    split[0]["logprobs"]["top_logprobs"] = [None, {}, {}]
+    body = {"logprobs": 0, "echo": True, "prompt": [1, 2]}
+    assert logprob_problems(False, body, split, "h\ufffd\ufffd") == []
 
 
 def chunk(index: int, text: str, finish: str | None = None) -> dict:

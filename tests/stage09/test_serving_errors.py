@@ -119,7 +119,14 @@ BAD_INPUTS = [
     ),
     ("a field nobody knows", CHAT, chat(temprature=0.5), 400, "temprature", ""),
     ("no prompt", COMPLETIONS, {"model": "llama", "max_tokens": 4}, 400, "prompt", ""),
-    ("a batch of prompts", COMPLETIONS, {"model": "llama", "prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt", ""),
+    (
+        "a batch with an empty prompt",
+        COMPLETIONS,
+        {"model": "llama", "prompt": ["a", ""], "max_tokens": 4},
+        400,
+        "prompt",
+        "no tokens",
+    ),
     ("an unknown model", CHAT, chat(model="gpt-17"), 404, "model", "gpt-17"),
     (
         "an image part",
@@ -139,12 +146,12 @@ BAD_INPUTS = [
     ),
     ("an empty prompt", COMPLETIONS, {"model": "llama", "prompt": "", "max_tokens": 4}, 400, "prompt", "no tokens"),
     (
-        "a batch of token-id prompts",
+        "a batch of token-id prompts, one empty",
         COMPLETIONS,
-        {"model": "llama", "prompt": [[1, 2], [3]], "max_tokens": 4},
+        {"model": "llama", "prompt": [[1, 2], []], "max_tokens": 4},
         400,
         "prompt",
-        "batch of prompts",
+        "prompt.1 must not be empty",
     ),
     (
         "a string among token ids",

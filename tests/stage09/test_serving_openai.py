@@ -4,6 +4,8 @@ concurrent streaming clients all get theirs."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from openai import OpenAI
 
@@ -432,6 +434,55 @@ def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(tiny_server):
         f"echo with n=2: each choice starts with the prompt; got {[c.text for c in answer.choices]}"
     )
     assert answer.usage.prompt_tokens == len(ids), f"echo does not change usage: {answer.usage}"
+
+
+def test_a_batch_of_prompts(tiny_server):
+    """A completion's prompt may be a batch (strings and token-id lists): choice i * n + j is prompt
+    i's j-th, each the offline engine's answer for that prompt with seed + j, usage counting each
+    prompt once and every choice's tokens; streamed, each chunk names its choice's index."""
+    client, path = client_for(tiny_server), tiny_server.model
+    engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
+    prompts = ["Hello", tokenizer.encode("héllo wörld"), "a\nb"]
+    ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    n = 2
+    params = [SamplingParams(temperature=0.9, seed=7 + j, max_new_tokens=6, ignore_eos=True) for j in range(n)]
+    expected = offline_outputs(engine, [p for p in ids for _ in range(n)], params * len(prompts))
+    request = dict(model=path.name, prompt=prompts, n=n, max_tokens=6, temperature=0.9, seed=7)
+    answer = client.completions.create(**request, extra_body={"ignore_eos": True})
+    got = [(c.index, c.text) for c in answer.choices]
+    assert got == [(i, e.text) for i, e in enumerate(expected)], (
+        f"a batch of 3 prompts with n=2: choice i * 2 + j is prompt i's answer with seed 7 + j "
+        f"{[e.text for e in expected]}; got {got}"
+    )
+    usage = answer.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        sum(map(len, ids)),
+        sum(e.output_tokens for e in expected),
+    ), f"usage counts each prompt once ({sum(map(len, ids))} tokens) and every choice's tokens; got {usage}"
+    texts = [""] * len(expected)
+    for chunk in client.completions.create(**request, stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [e.text for e in expected], f"streamed, each chunk names its choice: got {texts}"
+
+
+@pytest.mark.parametrize(
+    "prompt, says",
+    [
+        ([], "must not be empty"),
+        (["a", []], r"prompt\.1 must not be empty"),
+        ([[1, 2], [3, "x"]], r"prompt\.1: token ids must be integers"),
+        ([[1, -2]], r"must be in \[0, "),
+        (["a"] * 65, "at most 64 prompts"),
+        ([[10**9]], r"must be in \[0, "),
+        ([[[1]]], "token ids must be integers"),
+    ],
+)
+def test_a_bad_batch_of_prompts_is_refused(tiny_server, prompt, says):
+    answer = post(tiny_server, "/v1/completions", {"model": tiny_server.model.name, "prompt": prompt, "max_tokens": 2})
+    assert answer.status_code == 400 and re.search(says, answer.json()["error"]["message"]), (
+        f"prompt={prompt!r:.60} should be a 400 saying {says!r}; got {answer.status_code}: {answer.text[:200]}"
+    )
 
 
 def test_n_choices_each_follow_their_own_seed(tiny_server):
