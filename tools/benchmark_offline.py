@@ -33,6 +33,7 @@ Nothing is asserted: the numbers depend on the machine as much as on the code.
     python tools/benchmark_offline.py --stage 11               # make serve's engine (overlap where it pays)
     python tools/benchmark_offline.py --workload b --logprobs 5 --skip-transformers   # what logprobs cost
     python tools/benchmark_offline.py --workload b --penalties --skip-transformers    # what penalties cost
+    python tools/benchmark_offline.py --workload d --prompt-logprobs 1 --skip-transformers  # scoring prompts
     make bench-peer                                            # with vLLM (its own venv)
 
 ENGINE_IMPL=stages benchmarks your own code instead of the reference (see impl_switch.py).
@@ -153,7 +154,7 @@ PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty
 
 def run_engine(engine, workload: Workload, **asked) -> EngineRun:
     """The engine on the workload, each forward pass's shape recorded (for the ceiling); ``asked``:
-    more SamplingParams fields for every request (``logprobs=k``, the PENALTIES)."""
+    more SamplingParams fields for every request (``logprobs=k``, ``prompt_logprobs=k``, the PENALTIES)."""
     passes = []
     forward = engine.runner.forward
 
@@ -450,6 +451,12 @@ def benchmark_workload(args, workload: Workload, model, tokenizer, hf_model, pad
         row["ratios"][f"engine logprobs={args.logprobs} time / engine time"] = round(asked_s / seconds, 2)
         row["agreement"][f"engine with logprobs={args.logprobs}"] = agreement(run.outputs, asked.outputs)
 
+    if args.prompt_logprobs is not None:  # again, every prompt scored: the same tokens, more rows of logits
+        k = args.prompt_logprobs
+        scored, scored_s = engine_run(f"engine, prompt_logprobs={k}", prompt_logprobs=k)
+        row["ratios"][f"engine prompt_logprobs={k} time / engine time"] = round(scored_s / seconds, 2)
+        row["agreement"][f"engine with prompt_logprobs={k}"] = agreement(run.outputs, scored.outputs)
+
     if args.penalties:  # again, every request penalised: other tokens, so only the time is compared
         _, penalised_s = engine_run("engine, penalised", **PENALTIES)
         row["ratios"]["engine penalised time / engine time"] = round(penalised_s / seconds, 2)
@@ -576,6 +583,14 @@ def main() -> None:
         default=None,
         metavar="K",
         help="run the engine a second time with every request asking for logprobs=K (0-20): what they cost",
+    )
+    parser.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run the engine a second time with every request asking for prompt_logprobs=K (0-20): what scoring "
+        "every prompt costs",
     )
     parser.add_argument(
         "--penalties",

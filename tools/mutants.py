@@ -279,8 +279,8 @@ MUTANTS: list[Mutant] = [
         "s02_request_and_sampling/logprobs.py",
         "a log-probability is the log_softmax of the logits (<= 0), not the softmax",
         edit(
-            "logprobs = torch.log_softmax(logits[rows].float(), dim=-1)",
-            "logprobs = torch.softmax(logits[rows].float(), dim=-1)",
+            "chosen = x.gather(1, ids[:, None])[:, 0] - norm",
+            "chosen = torch.softmax(x, dim=-1).gather(1, ids[:, None])[:, 0]",
         ),
         r"log_softmax",
     ),

@@ -12,8 +12,8 @@ same token, and a token a grammar forced shows how far it was from the model's o
 what transformers' ``output_logits`` give and vLLM's default ("raw" logprobs); engines that report
 the processed distribution instead say so just as explicitly.
 
-Only the rows that asked pay: one ``log_softmax`` over them ([R, V], in float32: bfloat16 would
-round the small probabilities away), a gather at the sampled ids and one ``topk``.
+Only the rows that asked pay: one ``logsumexp`` per row (in float32: bfloat16 would round the
+small probabilities away), a gather at the sampled ids and one ``topk``, each shifted by it.
 """
 
 from __future__ import annotations
@@ -56,11 +56,14 @@ def logprob_entries(
         return out
     # BEGIN EXERCISE: each asking row's log_softmax, its token's entry, its top k
     # [#log-probabilities-how-sure-the-model-was]
-    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    x = logits[rows].float() if len(rows) < len(top_ks) else logits.float()  # (every row asked: no copy)
+    # log_softmax(x) = x - logsumexp(x): one number per row, not a second [R, V] tensor
+    norm = torch.logsumexp(x, dim=-1)
     ids = torch.as_tensor(token_ids, device=logits.device)[rows]
-    chosen = logprobs.gather(1, ids[:, None])[:, 0]
+    chosen = x.gather(1, ids[:, None])[:, 0] - norm
     k = max(top_ks[i] for i in rows)
-    top_values, top_ids = logprobs.topk(k, dim=-1)
+    top_values, top_ids = x.topk(k, dim=-1)
+    top_values = top_values - norm[:, None]
     # to the host once, as lists (on a GPU, each .item() would wait for the device again)
     values, top_values, top_ids, sampled = chosen.tolist(), top_values.tolist(), top_ids.tolist(), ids.tolist()
     for j, i in enumerate(rows):

@@ -12,8 +12,8 @@ same token, and a token a grammar forced shows how far it was from the model's o
 what transformers' ``output_logits`` give and vLLM's default ("raw" logprobs); engines that report
 the processed distribution instead say so just as explicitly.
 
-Only the rows that asked pay: one ``log_softmax`` over them ([R, V], in float32: bfloat16 would
-round the small probabilities away), a gather at the sampled ids and one ``topk``.
+Only the rows that asked pay: one ``logsumexp`` per row (in float32: bfloat16 would round the
+small probabilities away), a gather at the sampled ids and one ``topk``, each shifted by it.
 """
 
 from __future__ import annotations

@@ -29,13 +29,16 @@ def run_tool(name: str, *args: str, timeout: int = 300) -> str:
 def test_the_offline_benchmark_compares_the_engine_with_transformers(tiny_models_root, tmp_path):
     out = tmp_path / "offline.json"
     args = ["--quick", "--workload", "a", "--model", str(tiny_models_root / "llama"), "--threads", "1"]
-    run_tool("benchmark_offline", *args, "--logprobs", "2", "--penalties", "--no-progress", "--json", str(out))
+    asks = ["--logprobs", "2", "--prompt-logprobs", "1", "--penalties"]
+    run_tool("benchmark_offline", *args, *asks, "--no-progress", "--json", str(out))
     [workload] = json.loads(out.read_text())["workloads"]
     assert workload["tokens_per_s"]["engine"] > 0 and workload["ratios"]["engine / transformers static"] > 0
-    for other in ("transformers static", "engine with logprobs=2"):  # asking for logprobs changes no token
+    # asking for logprobs or prompt_logprobs changes no token
+    for other in ("transformers static", "engine with logprobs=2", "engine with prompt_logprobs=1"):
         agreement = workload["agreement"][other]
         assert agreement["identical"] == agreement["requests"] == 8, (other, agreement)
     assert workload["ratios"]["engine logprobs=2 time / engine time"] > 0
+    assert workload["ratios"]["engine prompt_logprobs=1 time / engine time"] > 0
     assert workload["ratios"]["engine penalised time / engine time"] > 0
 
 
