@@ -13,8 +13,10 @@ decide when an entry may go::
 
 - **An entry waits for its text.** A token holding half a character, or the start of what may
   become a stop string, has sent nothing yet; its entry waits until its text is sent.
-- **What the answer does not show has no entry.** A matched stop token / EOS, and the tokens
-  wholly inside a matched stop string, are dropped with their text.
+- **Every generated token has its entry, as usage counts it**, even one the answer does not
+  show: the stop token / EOS that ended it goes last, with no text, at the text's end (an
+  evaluation harness that asks for one token after an echoed prompt counts on prompt + 1
+  entries). Only the tokens wholly inside a matched stop string are dropped, with their text.
 - **A control token inside the answer adds no text.** The text leaves out control tokens
   (``<|im_start|>``, decoded with skip_special_tokens, as vLLM and SGLang do); one the model
   wrote mid-answer keeps its entry (its log-probability counts) with the text it adds: "" and no
@@ -81,9 +83,10 @@ class LogprobStream:
             return text, self.release(sum(1 for span in self.spans if span is not None and span[1] <= status.sent))
         # The answer is complete, status.sent characters long: its unfinished tail is text now.
         self.place([k for k, span in enumerate(self.spans) if span is None], max(status.sent, self.placed_to))
-        if isinstance(finish_reason.matched, int):  # a stop token / EOS: the last token is not text
-            keep = len(self.waiting) - 1
-        elif isinstance(finish_reason.matched, str):  # a stop string: the tokens that start before it
+        if isinstance(finish_reason.matched, int):  # a stop token / EOS: the last token is not text, yet counts
+            shown = self.release(len(self.waiting) - 1)
+            return text, shown + self.release_unshown(self.base + status.sent)
+        if isinstance(finish_reason.matched, str):  # a stop string: the tokens that start before it
             keep = sum(1 for span in self.spans if span is not None and span[0] < status.sent)
         else:
             keep = len(self.waiting)
@@ -109,6 +112,17 @@ class LogprobStream:
         if token_id in self.tokenizer.control_ids:
             return "", b""
         return self.tokenizer.token_pieces([token_id])[0]
+
+    def release_unshown(self, offset: int) -> list[LogprobEntry]:
+        """The tokens still waiting, which the answer does not show (the stop token / EOS that
+        ended it): their entries with no text, at ``offset`` (the text's end)."""
+        entries = [
+            LogprobEntry("", b"", logprob.logprob, offset, named_alternatives(self.tokenizer, logprob))
+            for logprob in self.waiting
+        ]
+        self.waiting.clear()
+        self.spans.clear()
+        return entries
 
     def release(self, count: int) -> list[LogprobEntry]:
         """The first ``count`` waiting tokens leave as entries, in order. Once a request is over,

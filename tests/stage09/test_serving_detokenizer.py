@@ -197,7 +197,7 @@ def test_an_entry_waits_for_its_text(tiny_models_root):
     )
 
 
-def test_entries_of_a_stop_string_and_a_stop_token_are_dropped(tiny_models_root):
+def test_a_stop_strings_entries_are_dropped_a_stop_tokens_has_no_text(tiny_models_root):
     tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
     stop = "\n\nUser:"
     steps = feed_logprobs(tokenizer, [stop], byte_ids("Sure!\n\nUser:"), FinishReason("stop", matched=stop))
@@ -210,9 +210,11 @@ def test_entries_of_a_stop_string_and_a_stop_token_are_dropped(tiny_models_root)
     assert held == [0] * len(held), f"while the tail may become the stop string, its entries wait; got {held}"
     steps = feed_logprobs(tokenizer, [], [*byte_ids("ok"), EOS], FinishReason("stop", matched=EOS))
     entries = [e for _, step in steps for e in step]
-    assert [e.token_bytes for e in entries] == [b"o", b"k"], (
-        f"a matched stop token / EOS is not part of the answer, and has no entry; got {[e.token for e in entries]}"
+    assert [(e.token_bytes, e.logprob) for e in entries] == [(b"o", 0), (b"k", -1), (b"", -2)], (
+        "a matched stop token / EOS is not part of the text, yet it was generated (usage counts it): its entry goes "
+        f"last, with no text; got {[(e.token_bytes, e.logprob) for e in entries]}"
     )
+    assert entries[-1].text_offset == 2, f"its text_offset is the text's end (2), got {entries[-1].text_offset}"
 
 
 def test_a_control_token_inside_the_answer_adds_no_text(tiny_models_root):
@@ -267,12 +269,12 @@ def test_entries_follow_the_text_sent(tiny_models_root, seed):
         if req.finished:
             break
     reason = req.finished_reason
-    shown = len(req.output_ids) - (1 if reason is not None and isinstance(reason.matched, int) else 0)
+    shown = len(req.output_ids)  # (a matched stop token / EOS has its entry too, with no text)
     if reason is not None and isinstance(reason.matched, str):
         assert len(entries) <= shown and all(e.text_offset < len(sent) for e in entries), (
             f"seed {seed}: cut at a stop string, only tokens that start before it keep their entry"
         )
     else:
         assert len(entries) == shown, (
-            f"seed {seed}: finished with {reason}: the answer shows {shown} tokens, {len(entries)} entries went out"
+            f"seed {seed}: finished with {reason}: {shown} tokens were generated, {len(entries)} entries went out"
         )

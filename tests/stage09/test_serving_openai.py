@@ -9,7 +9,7 @@ import re
 import pytest
 from openai import OpenAI
 
-from reference import engine_tokenizer
+from reference import engine_tokenizer, hf_prompt_logprobs
 from s02_request_and_sampling.sampling_params import SamplingParams
 from serving_helpers import (
     check_stream_shape,
@@ -325,9 +325,9 @@ def logprob_rows(client: OpenAI, kind: str, stream: bool, **request) -> tuple[st
 
 
 def test_logprobs_equal_the_offline_engines(tiny_server):
-    """logprobs through both APIs, streamed and not: one entry per token the answer shows (an EOS
-    has none), each the offline engine's logprob and alternatives, the tokens' bytes joined are the
-    text, and a completion's text_offsets say where each token starts."""
+    """logprobs through both APIs, streamed and not: one entry per generated token (a matched EOS's
+    with no text), each the offline engine's logprob and alternatives, the tokens' bytes joined are
+    the text, and a completion's text_offsets say where each token starts."""
     client, path = client_for(tiny_server), tiny_server.model
     engine, tokenizer = offline_engine(path, pool_size=4096), engine_tokenizer(str(path))
     messages = [{"role": "user", "content": "Say ünïcode"}]
@@ -342,7 +342,8 @@ def test_logprobs_equal_the_offline_engines(tiny_server):
     ]
     for kind, prompt, params, request in cases:
         [expected] = offline_outputs(engine, [prompt], params)
-        shown = expected.logprobs[:-1] if isinstance(expected.finish_reason.matched, int) else expected.logprobs
+        shown = expected.logprobs  # one entry per generated token (a matched EOS's with no text)
+        ended_by_token = isinstance(expected.finish_reason.matched, int)
         for stream in (False, True):
             what = f"a {kind} with logprobs (stream={stream})"
             text, rows = logprob_rows(client, kind, stream, model=path.name, max_tokens=10, temperature=0, **request)
@@ -354,13 +355,14 @@ def test_logprobs_equal_the_offline_engines(tiny_server):
                 "engine as SamplingParams.logprobs (to_sampling_params)"
             )
             assert len(rows) == len(shown), (
-                f"{what}: {len(rows)} entries, but the answer shows {len(shown)} tokens "
-                f"({len(expected.output_ids)} generated, finish {expected.finish_reason})"
+                f"{what}: {len(rows)} entries, but {len(shown)} tokens were generated (finish "
+                f"{expected.finish_reason}: a matched EOS has its entry too, with no text)"
             )
             for i, ((data, value, alternatives, _), entry) in enumerate(zip(rows, shown)):
                 token_ids = [entry.token_id, *(t for t, _ in entry.top)]
                 (_, want), *tops = tokenizer.token_pieces(token_ids)
-                want = b"" if entry.token_id in tokenizer.control_ids else want  # (the text leaves it out)
+                if entry.token_id in tokenizer.control_ids or (ended_by_token and i == len(shown) - 1):
+                    want = b""  # (the text leaves it out)
                 assert data == want and abs(value - entry.logprob) < 1e-4, (
                     f"{what}: entry {i} is {data!r} with {value:.6f}; the offline engine's token {entry.token_id} "
                     f"is {want!r} with {entry.logprob:.6f}"
@@ -374,7 +376,7 @@ def test_logprobs_equal_the_offline_engines(tiny_server):
             if kind == "completion":
                 offsets = [row[3] for row in rows]
                 starts = [len(b"".join(row[0] for row in rows[:i]).decode("utf-8", "ignore")) for i in range(len(rows))]
-                assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text), (
+                assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text), (
                     f"{what}: text_offset is where each token's text starts: got {offsets} for {text!r} ({starts})"
                 )
 
@@ -434,6 +436,46 @@ def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(tiny_server):
         f"echo with n=2: each choice starts with the prompt; got {[c.text for c in answer.choices]}"
     )
     assert answer.usage.prompt_tokens == len(ids), f"echo does not change usage: {answer.usage}"
+
+
+def test_scoring_as_lm_eval_does(tiny_server):
+    """lm-eval's local-completions scores a continuation with one request per batch of contexts +
+    continuations as token ids, echo, logprobs 1, max_tokens 1, and reads token_logprobs[ctxlen:-1]
+    (prompt + 1 entries: the generated token's last, even an EOS): the sums are transformers'
+    log-likelihoods of the continuations, and "is greedy" (each continuation token the likeliest)
+    agrees with transformers' argmax."""
+    path = tiny_server.model
+    tokenizer = engine_tokenizer(str(path))
+    context = tokenizer.encode("The quick brown fox")
+    prompts = [context + tokenizer.encode(ending) for ending in (" jumps over", " sleeps", "\n")]
+    body = dict(model=path.name, prompt=prompts, temperature=0, max_tokens=1, logprobs=1, seed=1234, echo=True)
+    answer = post(tiny_server, "/v1/completions", body)
+    assert answer.status_code == 200, f"lm-eval's scoring request got {answer.status_code}: {answer.text[:300]}"
+    choices = sorted(answer.json()["choices"], key=lambda c: c["index"])
+    for i, (choice, prompt) in enumerate(zip(choices, prompts)):
+        shown = choice["logprobs"]
+        assert len(shown["token_logprobs"]) == len(prompt) + 1, (
+            f"prompt {i}: echo with max_tokens 1 gives one entry per prompt token and one for the generated token "
+            f"({len(prompt) + 1}), got {len(shown['token_logprobs'])} (finish {choice['finish_reason']})"
+        )
+        scored = shown["token_logprobs"][len(context) : -1]
+        expected = hf_prompt_logprobs(path, prompt)  # row p scores prompt[p + 1]
+        wanted = [expected[p - 1, prompt[p]].item() for p in range(len(context), len(prompt))]
+        assert abs(sum(scored) - sum(wanted)) < 1e-3, (
+            f"prompt {i}: the continuation's log-likelihood is {sum(scored):.5f}, transformers' {sum(wanted):.5f}"
+        )
+        tops = shown["top_logprobs"][len(context) : -1]
+        greedy = all(value == max(top.values()) for value, top in zip(scored, tops))
+        hf_greedy = all(expected[p - 1].argmax().item() == prompt[p] for p in range(len(context), len(prompt)))
+        assert greedy == hf_greedy, f"prompt {i}: is_greedy {greedy}, transformers says {hf_greedy}"
+    eos = min(tokenizer.eos_token_ids)  # the generated token forced to be EOS: its entry still counts
+    forced = post(tiny_server, "/v1/completions", {**body, "prompt": prompts[0], "logit_bias": {str(eos): 100}})
+    [choice] = forced.json()["choices"]
+    entries = choice["logprobs"]["token_logprobs"]
+    assert choice["finish_reason"] == "stop" and len(entries) == len(prompts[0]) + 1, (
+        f"a generated EOS has its entry too (no text): {len(prompts[0]) + 1} entries expected, got {len(entries)} "
+        f"(finish {choice['finish_reason']})"
+    )
 
 
 def test_a_batch_of_prompts(tiny_server):
