@@ -225,6 +225,12 @@ class OpenAIServing:
         asked = prompts[0].sampling_params.logprobs is not None
         timeout = self.server_args.request_timeout
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        if len(prompts) * n > self.max_in_flight:  # never servable: not a 503 to retry forever
+            raise InvalidRequest(
+                f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} engine requests, more than this server "
+                f"runs and queues at once ({self.max_in_flight}); send fewer prompts or a smaller n",
+                param="n" if n > 1 else "prompt",
+            )
         groups = [choices_of(prompt, n) for prompt in prompts]
         reqs = [r for group in groups for r in group]
         rids = [r.rid for r in reqs]

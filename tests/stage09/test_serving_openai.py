@@ -527,6 +527,17 @@ def test_a_bad_batch_of_prompts_is_refused(tiny_server, prompt, says):
     )
 
 
+def test_a_batch_the_server_can_never_hold_is_a_400(tiny_server):
+    """64 prompts x n=16 are more engine requests than the tiny server runs and queues at once
+    (48 + 256): not a 503 a client would retry forever, but a 400 that says what to send instead."""
+    body = {"model": tiny_server.model.name, "prompt": ["a"] * 64, "n": 16, "max_tokens": 1}
+    answer = post(tiny_server, "/v1/completions", body)
+    assert answer.status_code == 400 and "fewer prompts or a smaller n" in answer.text, (
+        f"64 prompts x n=16 should be a 400 naming the limit; got {answer.status_code}: {answer.text[:200]}"
+    )
+    assert answer.json()["error"]["param"] == "n", f"the error names n: {answer.text[:200]}"
+
+
 def test_n_choices_each_follow_their_own_seed(tiny_server):
     """n choices: numbered 0..n-1, choice i what the offline engine gives with seed + i, the prompt
     counted once in usage and every choice's tokens in completion_tokens; streamed (with logprobs),
