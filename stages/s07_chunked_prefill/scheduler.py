@@ -159,6 +159,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
             start = match.cached_len
             group = ahead.setdefault((match.node, start), [])
             shared = max((common_prefix_len(req.fill_ids, other.fill_ids, start) for other in group), default=0)
+            # what it could take from the tree next step: no more than max_prefix_len (a request
+            # scoring its prompt takes nothing it has not scored, so waiting would gain it nothing)
+            shared = min(shared, req.max_prefix_len - start)
             if shared >= IN_BATCH_SHARED_MIN:
                 held.append(req)
             else:

@@ -13,6 +13,7 @@ import torch
 
 from chunked_helpers import assert_pool_free_after_tree, chunked_engine, greedy, random_prompt, run_checked
 from reference import assert_same_tokens, hf_greedy
+from s02_request_and_sampling.sampling_params import SamplingParams
 from s05_continuous_batching.trace import StepTrace
 from s07_chunked_prefill.scheduler import IN_BATCH_SHARED_MIN
 
@@ -64,6 +65,26 @@ def test_a_held_back_request_waits_one_step_and_others_overtake_it(tiny_models_r
         f"{what}: C should compute only its 6-token tail, yet the passes computed "
         f"{engine.scheduler.stats.prefill_tokens} prompt tokens (74 expected)"
     )
+
+
+def test_a_request_scoring_its_prompt_is_not_held_back(tiny_models_root):
+    """A request that asks for prompt_logprobs takes nothing from the tree while it scores its prompt
+    (a cached position has no logits): waiting a step behind a request sharing its prefix would gain
+    it nothing, so it is admitted beside it, and its prompt is scored whole."""
+    path = tiny_models_root / "qwen3"
+    system = random_prompt(50, seed=1)
+    prompts = [system + random_prompt(4, seed=2), system + random_prompt(6, seed=4)]
+    params = [greedy(3), SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, prompt_logprobs=0)]
+    what = "qwen3: A (50-token prefix + 4), then C (A's prefix + 6) asking for prompt_logprobs, added together"
+    traces: list[StepTrace] = []
+    engine, _ = chunked_engine(path, 512, pool_size=1024, trace=traces.append)
+    reqs = run_checked(engine, prompts, params, what)
+    assert traces[0].prefill_rids == [0, 1], (
+        f"{what}: both should be admitted in the first step (C could take nothing of A's prefix from the tree: "
+        f"held_back counts only what a request may take, req.max_prefix_len); step 1 prefilled "
+        f"{traces[0].prefill_rids}"
+    )
+    assert len(reqs[1].prompt_logprobs) == len(prompts[1]) - 1, f"{what}: C's prompt should be scored whole"
 
 
 def test_a_small_overlap_does_not_hold_anyone_back(tiny_models_root):
