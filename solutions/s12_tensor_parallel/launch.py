@@ -18,12 +18,13 @@ time, and kills any that did not: no process is left behind.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 
 import torch
+
+from s09_zmq_serving.server_process import free_port  # (a port below the ephemeral range)
 
 from .parallel_state import (
     DEFAULT_TIMEOUT_S,
@@ -46,12 +47,6 @@ def failure_line(rank: int) -> str:
     """How a follower that fails starts the line it prints on stderr (tp_worker.py): rank 0's
     watchdog reads that line as the reason the group stopped."""
     return f"tensor-parallel rank {rank} failed: "
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TPLauncher:

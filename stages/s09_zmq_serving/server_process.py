@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,10 +13,30 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; elsewhere assume the IANA-ish default
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, chosen below the kernel's ephemeral range. Between this choice
+    and the bind of whoever gets it, other sockets are opened (a server's own workers: ZMQ,
+    torch.distributed's gloo), and every port the kernel hands out on its own (a bind to 0, a
+    connect) comes from that range: a port below it cannot be taken first that way. (A port
+    picked by binding 0 could: a tp=2 server's API once lost its port to its own ranks.)"""
+    try:
+        low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = range(max(1024, low - 10000), low)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: try another
+                continue
+            return port
+    with socket.socket() as s:  # (64 taken in a row: take the kernel's choice after all)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
