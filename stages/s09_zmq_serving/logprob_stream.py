@@ -99,11 +99,9 @@ class LogprobStream:
         character is not text yet, so "é" split in two starts at the first token's place)."""
         if not group:
             return
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        at = self.placed_to
-        for k in group:
-            self.spans[k] = (min(at, end), end)
-            at += len(decoder.decode(self.shown(self.waiting[k].token_id)[1]))
+        pieces = [self.shown(self.waiting[k].token_id)[1] for k in group]
+        for k, start in zip(group, text_starts(pieces, self.placed_to)):
+            self.spans[k] = (min(start, end), end)
         self.placed_to = end
 
     def shown(self, token_id: int) -> tuple[str, bytes]:
@@ -156,13 +154,23 @@ def echo_prompt(tokenizer: Tokenizer, echo: PromptEcho) -> tuple[str, list[Logpr
     text = b"".join(data for _, data in pieces).decode("utf-8", errors="replace")
     if echo.logprobs is None:
         return text, []
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    entries, at = [], 0
-    for i, (token, data) in enumerate(pieces):
+    entries = []
+    for i, ((token, data), at) in enumerate(zip(pieces, text_starts([data for _, data in pieces], 0))):
         scored = echo.logprobs[i - 1] if i else None
         if scored is None:
             entries.append(LogprobEntry(token, data, None, at, None))
         else:
             entries.append(LogprobEntry(token, data, scored.logprob, at, named_alternatives(tokenizer, scored)))
-        at += len(decoder.decode(data))  # (half a character is not text yet: both halves start at one place)
     return text, entries
+
+
+def text_starts(pieces: Sequence[bytes], at: int) -> list[int]:
+    """Where each of consecutive byte pieces starts in their text, which starts at ``at``: how far
+    the UTF-8 decoding of the pieces before it has got (half a character is not text yet, so both
+    halves of a split "é" start at one place)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    starts = []
+    for data in pieces:
+        starts.append(at)
+        at += len(decoder.decode(data))
+    return starts

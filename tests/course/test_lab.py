@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ import websocket  # websocket-client, which jupyter-server depends on
 
 import lab as lab_tool  # tools/lab.py
 from impl_switch import SWITCH_VARS
+from s09_zmq_serving.server_process import free_port  # (a port below the ephemeral range)
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = "04_paged_kv_pool.ipynb"  # its first two code cells: set-up (loads the model), then KV bytes per token
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lab:
