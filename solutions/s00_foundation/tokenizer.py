@@ -14,14 +14,14 @@ import json
 import re
 import secrets
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from .loader import resolve_model_path
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # {"role", "content", ...}; a tool call's fields hold dicts and lists
 Prompt = Union[str, Messages]
 
 
@@ -48,41 +48,57 @@ class Tokenizer:
         return bool(self.hf.chat_template)
 
     @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template writes a request's tools itself (it reads ``tools``)."""
+        template = self.hf.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    @property
     def vocab_size(self) -> int:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text)["input_ids"])
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: Messages, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The messages (and ``tools``, for a template that knows them) through the chat template."""
         if not self.is_chat:
             raise ValueError("this model's tokenizer has no chat template; send a plain text prompt")
         if not messages:
             raise ValueError("messages must hold at least one message")
         pattern = self.control_tokens
-        if pattern is None or not any(pattern.search(v) for m in messages for k, v in m.items() if _is_text(k, v)):
+        if pattern is None or not any(pattern.search(text) for text in _texts([_said(m) for m in messages] + [tools])):
             encoded = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
             )
             return list(encoded["input_ids"])
-        return self._chat_ids_with_control_text(messages, add_generation_prompt)
+        return self._chat_ids_with_control_text(messages, add_generation_prompt, tools)
 
-    def _chat_ids_with_control_text(self, messages: Messages, add_generation_prompt: bool) -> list[int]:
-        """Render the template with a marker in place of each control token the messages spell,
-        so that every control token left in the text is the template's own; then tokenize it the
-        way the tokenizer does, in pieces split at those tokens, each piece with its markers put
-        back as the text they stand for and read as text (``split_special_tokens``)."""
+    def _chat_ids_with_control_text(
+        self, messages: Messages, add_generation_prompt: bool, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """Render the template with a marker in place of each control token the messages (or the
+        tools) spell, so that every control token left in the text is the template's own; then
+        tokenize it the way the tokenizer does, in pieces split at those tokens, each piece with
+        its markers put back as the text they stand for and read as text (``split_special_tokens``)."""
         pattern = self.control_tokens
         assert pattern is not None
         tag = marker_tag()
         spelled: list[str] = []
 
-        def mark(found: re.Match) -> str:
-            spelled.append(found.group())
-            return marker(tag, len(spelled) - 1)
+        def mark(text: str) -> str:
+            def one(found: re.Match) -> str:
+                spelled.append(found.group())
+                return marker(tag, len(spelled) - 1)
 
-        marked = [{k: pattern.sub(mark, v) if _is_text(k, v) else v for k, v in m.items()} for m in messages]
-        text = self.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return pattern.sub(one, text)
+
+        marked = [{**m, **_map_texts(_said(m), mark)} for m in messages]
+        text = self.hf.apply_chat_template(
+            marked, tools=_map_texts(tools, mark), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         markers = re.compile(rf"\[\[{tag}:(\d+)\]\]")
         ids: list[int] = []
         as_marked: list[int] = []
@@ -150,9 +166,31 @@ def marker(tag: str, index: int) -> str:
     return f"[[{tag}:{index}]]"
 
 
-def _is_text(key: str, value) -> bool:
-    """Whether a message's field says something in words (its content, a name): any text but its role."""
-    return key != "role" and isinstance(value, str)
+def _said(message: dict[str, Any]) -> dict[str, Any]:
+    """What a message says in words: every field but its role."""
+    return {k: v for k, v in message.items() if k != "role"}
+
+
+def _texts(value) -> list[str]:
+    """Every string inside a JSON value (not its keys)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _texts(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _texts(v)]
+    return []
+
+
+def _map_texts(value, change: Callable[[str], str]):
+    """``value`` with ``change`` applied to every string inside it (the keys stay as they are)."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {k: _map_texts(v, change) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_texts(v, change) for v in value]
+    return value
 
 
 def _eos_token_ids(folder: Path, hf) -> list[int]:
