@@ -1252,6 +1252,37 @@ MUTANTS: list[Mutant] = [
         ),
         r"finished|already|gone|abort",
     ),
+    Mutant(
+        "s09-tool-tag-not-held-back",
+        "s09_zmq_serving/tool_calls.py",
+        "text that may be the start of <tool_call> waits for the next piece, as a stop string's start does",
+        edit(
+            "            held = next((n for n in range(len(OPEN) - 1, 0, -1) if self.buffer.endswith(OPEN[:n])), 0)",
+            "            held = 0",
+        ),
+        r"held back",
+    ),
+    Mutant(
+        "s09-tool-block-that-is-no-call-dropped",
+        "s09_zmq_serving/tool_calls.py",
+        "a <tool_call> block that holds no call of the offered tools is the model's text, kept as written",
+        edit(
+            "                    content += self.content(OPEN + body + CLOSE)  # not a call of one of the tools",
+            "                    pass  # not a call of one of the tools",
+        ),
+        r"no call of the offered tools|model's text",
+    ),
+    Mutant(
+        "s09-tool-call-block-kept-as-content",
+        "s09_zmq_serving/tool_calls.py",
+        "a call's block, tags and JSON, is a call and not content",
+        edit(
+            "                else:\n                    done.append(call)\n                continue",
+            "                else:\n                    done.append(call)\n"
+            "                    content += OPEN + body + CLOSE\n                continue",
+        ),
+        r"not content",
+    ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
     Mutant(
         "s10-resolve-not-in-place",

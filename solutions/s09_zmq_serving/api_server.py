@@ -57,6 +57,7 @@ from .protocol import (
 )
 from .request_guard import RequestGuard
 from .server_args import ServerArgs
+from .tool_calls import ToolCallParser, read_whole, resolve_tool_choice, stream_delta, tool_call_schema
 from .worker_loop import INJECTED, Heartbeats
 
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
@@ -163,10 +164,25 @@ class OpenAIServing:
         check_supported(body)
         messages = chat_messages(body)
         params, fill = to_sampling_params(body)
-        params = await self.constrain(params, body.response_format, body.regex)
-        req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, fill_max_new_tokens=fill)
+        tool_choice = resolve_tool_choice(body)
+        offered = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        tools = offered if tool_choice.mode != "none" else None  # under "none" the model is not told of them
+        schema = tool_call_schema(tools or [], tool_choice)
+        if schema is None:
+            params = await self.constrain(params, body.response_format, body.regex)
+        else:  # "required" or a named function: the answer is held to the tools' schemas (stage 11)
+            try:
+                params = await self.constrain(params, {"type": "json_schema", "json_schema": {"schema": schema}}, None)
+            except InvalidRequest as error:
+                shown = tool_choice.name or tool_choice.mode
+                raise InvalidRequest(f"tool_choice {shown!r}: {error.message}", param="tool_choice") from None
+        req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, tools=tools, fill_max_new_tokens=fill)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(request, req.rid, [req], body.n or 1, body.stream, include_usage, model, "chat")
+        names = [tool["function"]["name"] for tool in tools or ()]
+        reader = None if tools is None else (lambda: ToolCallParser(tool_choice, names))
+        return await self.generate(
+            request, req.rid, [req], body.n or 1, body.stream, include_usage, model, "chat", reader
+        )
 
     async def completions(self, body: CompletionRequest, request: Request):
         check_limits(body, self.limits)
@@ -199,7 +215,8 @@ class OpenAIServing:
             return params
         if self.server_args.engine_knobs.get("disable_overlap"):
             raise InvalidRequest(
-                "response_format and regex need stage 11's engine; this server runs stage 8's (--disable-overlap)",
+                "a constrained answer (response_format, regex, tool_choice 'required' or a named function) needs "
+                "stage 11's engine; this server runs stage 8's (--disable-overlap)",
                 param="regex" if regex is not None else "response_format",
             )
         from s11_structured_output.response_format import structured_params
@@ -224,10 +241,11 @@ class OpenAIServing:
         include_usage: bool,
         model: str,
         kind: str,
+        tool_reader: Callable[[], ToolCallParser] | None = None,
     ):
         """Send each of ``prompts`` on (as ``n`` engine requests, one per choice: choice i * n + j
         is prompt i's j-th) and answer ``answer_id`` with what comes back: the whole answer, or a
-        stream."""
+        stream. ``tool_reader``: a chat with tools reads each choice's text with a parser of its own."""
         client = self.client
         assert client is not None, "the app has not started"
         asked = prompts[0].sampling_params.logprobs is not None
@@ -255,6 +273,8 @@ class OpenAIServing:
             if not stream:
                 pieces = [out async for out in client.outputs(rids, queue, first, request, deadline, prompt_of)]
                 choices, counts = whole_choices(rids, pieces, asked)
+                if tool_reader is not None:
+                    choices = [read_whole(choice, tool_reader()) for choice in choices]
                 return whole_answer(kind, answer_id, model, choices, counts)
         except ClientGone:
             client.abort(rids)
@@ -267,7 +287,8 @@ class OpenAIServing:
             raise
         # During a stream Starlette itself notices a client that leaves: it cancels the body.
         outputs = client.outputs(rids, queue, first, None, deadline, prompt_of)
-        events = self.events(answer_id, rids, outputs, include_usage, model, kind, asked)
+        parsers = {rid: tool_reader() for rid in rids} if tool_reader is not None else None
+        events = self.events(answer_id, rids, outputs, include_usage, model, kind, asked, parsers)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(
@@ -279,10 +300,12 @@ class OpenAIServing:
         model: str,
         kind: str,
         asked: bool,
+        parsers: dict[str, ToolCallParser] | None = None,
     ) -> AsyncIterator[str]:
         """A streamed answer's SSE lines, in OpenAI's chunks for ``kind`` ("chat" or "completion"),
         the pieces of its choices (engine requests ``rids``) in the order they come; ``asked``: the
-        request wants log-probabilities, each chunk carries its tokens' entries."""
+        request wants log-probabilities, each chunk carries its tokens' entries; ``parsers``: a chat
+        with tools, each choice's text is read for calls (its chunks carry content and tool_calls)."""
         created = int(time.time())
         # stream_chunks builds a piece's chunks before it reads the next piece, so the piece read
         # last says which choice the next chunk is, and which log-probability entries it carries
@@ -303,6 +326,9 @@ class OpenAIServing:
             if asked and text is not None:
                 logprobs, unsent[choice] = unsent[choice], []
             index = rids.index(choice)
+            if kind == "chat" and parsers is not None and text is not None:
+                delta, finish_reason = stream_delta(parsers[choice], text, finish_reason)
+                return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
             if kind == "chat":
                 delta = None if text is None else ({"content": text} if text else {})
                 return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)

@@ -35,7 +35,8 @@ class GenerateReqInput:
 
     rid: str
     sampling_params: SamplingParams
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # chat: the functions the model may call (tool_calls.py)
     text: str | None = None
     input_ids: list[int] | None = None
     # max_tokens was not given: generate up to the end of the context (the scheduler knows it)

@@ -25,10 +25,14 @@ What a field means, and what this server does with it:
     echo                       completions: the answer starts with the prompt as the model read
                                it; with logprobs, the prompt's tokens first (stage 2's
                                prompt_logprobs; the first one's null): how a text is scored
+    tools tool_choice          chat: function calling (tool_calls.py): the tools go into the
+    parallel_tool_calls        prompt, "required" or a named function constrain the answer
+                               (stage 11's grammar), the calls come back as message.tool_calls;
+                               the history may hold an assistant's tool_calls and "tool" results
 
-A field that would change the result and that this server does not do (tools, suffix, best_of,
-...) is rejected with a 400 naming it, never silently ignored; a field nobody knows
-is rejected too (OpenAI does the same), so a typo cannot pass unnoticed.
+A field that would change the result and that this server does not do (suffix, best_of, ...)
+is rejected with a 400 naming it, never silently ignored; a field nobody knows is rejected too
+(OpenAI does the same), so a typo cannot pass unnoticed.
 
 Every field has explicit bounds (``check_limits``; the table is in the README): a string must be
 encodable as UTF-8 (JSON allows a lone surrogate such as "\\ud800"; a tokenizer does not), an
@@ -112,10 +116,46 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call an assistant made (an earlier answer's, sent back in the history)."""
+
+    id: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None only in an assistant's message that calls tools
     name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None  # a tool's result
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for the name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # OpenAI: follow the schema exactly; here a forced call always does
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class _SamplingFields(_Strict):
@@ -147,8 +187,8 @@ class _SamplingFields(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None  # tool_calls.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
@@ -170,12 +210,7 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
             "stream_options is only allowed with stream: true",
         ),
     ]
-    if isinstance(request, ChatCompletionRequest):
-        unsupported += [
-            ("tools", bool(request.tools), "tools (function calling) are not supported by this server"),
-            ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported by this server"),
-        ]
-    else:
+    if isinstance(request, CompletionRequest):
         unsupported += [
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported by this server"),
             ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported by this server"),
@@ -250,10 +285,8 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
             raise InvalidRequest(
                 f"{len(request.messages)} messages cannot fit a context of {context} tokens", param="messages"
             )
-        chars = sum(
-            len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content)
-            for m in request.messages
-        )
+        tools = [tool.model_dump() for tool in request.tools or ()]  # (their text: what the prompt will show)
+        chars = sum(message_chars(m) for m in request.messages) + sum(len(text) for _, text in strings(tools))
         where = "messages"
     else:
         # each prompt of a batch on its own: each is a request of its own, tokenized on its own
@@ -279,6 +312,14 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
             f"(no text that long fits the context of {context} tokens); refused without tokenizing it",
             param=where,
         )
+
+
+def message_chars(message: ChatMessage) -> int:
+    """The characters a message brings to the prompt: its text, and the calls it made."""
+    content = message.content
+    text = len(content or "") if not isinstance(content, list) else sum(len(p.text or "") for p in content)
+    calls = message.tool_calls or ()
+    return text + sum(len(call.function.name) + len(call.function.arguments) for call in calls)
 
 
 def strings(value, path: str = ""):
@@ -307,15 +348,16 @@ def check_finite(field: str, value) -> None:
         raise InvalidRequest(f"{field} must be a finite number, got {value!r:.40}", param=field)
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the chat template wants them ({"role", "content"} with text content, and
-    "name" when the message has one)."""
+    "name" when the message has one; an assistant's "tool_calls" and a tool result's
+    "tool_call_id" as OpenAI's dicts, for tool_calls.chat_template_input)."""
     if not request.messages:
         raise InvalidRequest("messages must hold at least one message", param="messages")
     out = []
     for i, message in enumerate(request.messages):
         content = message.content
-        if not isinstance(content, str):
+        if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None or part.model_extra:
                     got = f"a {part.type!r} part" if part.type != "text" else f"a text part with {part.model_dump()}"
@@ -325,9 +367,38 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
                         param=f"messages.{i}.content.{j}",
                     )
             content = "".join(part.text or "" for part in content)
+        check_tool_fields(message, i)
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name for system
-        out.append({"role": role, "content": content, **({"name": message.name} if message.name is not None else {})})
+        one: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.name is not None:
+            one["name"] = message.name
+        if message.tool_calls:
+            one["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            one["tool_call_id"] = message.tool_call_id
+        out.append(one)
     return out
+
+
+def check_tool_fields(message: ChatMessage, i: int) -> None:
+    """What OpenAI requires of the messages of a conversation with tools: only an assistant
+    calls them (and may then leave its content out), a tool's result names the call it answers."""
+    if message.tool_calls is not None and message.role != "assistant":
+        raise InvalidRequest(
+            f"messages[{i}].tool_calls: only an assistant's message calls tools, not a {message.role!r} one",
+            param=f"messages.{i}.tool_calls",
+        )
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        raise InvalidRequest(
+            f"messages[{i}].content is required (only an assistant's message with tool_calls may leave it out)",
+            param=f"messages.{i}.content",
+        )
+    if (message.role == "tool") != (message.tool_call_id is not None):
+        raise InvalidRequest(
+            f"messages[{i}]: a tool message needs the tool_call_id of the call it answers, and only a tool "
+            "message has one",
+            param=f"messages.{i}.tool_call_id",
+        )
 
 
 def completion_prompts(request: CompletionRequest) -> list[tuple[str | None, list[int] | None]]:
@@ -534,6 +605,7 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: list[LogprobEntry] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # chat with tools: the calls read out of the text
 
 
 def whole_answer(kind: str, rid: str, model: str, choices: list[Choice], counts: tuple[int, int]) -> dict:
@@ -541,10 +613,12 @@ def whole_answer(kind: str, rid: str, model: str, choices: list[Choice], counts:
     tokens (once, however many choices) and its completion tokens (all choices')."""
 
     def shown(choice: Choice) -> dict[str, Any]:
-        content = (
-            {"message": {"role": "assistant", "content": choice.text}} if kind == "chat" else {"text": choice.text}
-        )
-        return {**content, "logprobs": logprobs_field(kind, choice.logprobs)}
+        if kind == "completion":
+            return {"text": choice.text, "logprobs": logprobs_field(kind, choice.logprobs)}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:  # OpenAI: the content of an answer that only calls tools is null
+            message.update(content=choice.text or None, tool_calls=choice.tool_calls)
+        return {"message": message, "logprobs": logprobs_field(kind, choice.logprobs)}
 
     return {
         "id": rid,

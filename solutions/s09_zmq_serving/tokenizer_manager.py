@@ -2,8 +2,10 @@
 
 Chat messages go through the model's chat template (text in them that spells a control token
 stays text: ``s00 tokenizer.py``), a completion prompt is tokenized as it is (token ids are
-checked and passed on). Aborts and debug questions pass through unchanged, on the
-same road as the requests, so they can never overtake them. A prompt it cannot tokenize (no chat
+checked and passed on); a chat's tools, and the calls and results in its history, go to a template
+that knows tools, or are written into the messages for one that does not (``tool_calls.py``).
+Aborts and debug questions pass through unchanged, on the same road as the requests, so they can
+never overtake them. A prompt it cannot tokenize (no chat
 template, ids outside the vocabulary, a ``name`` the template would drop) goes straight back to
 the API server as an ``ErrorOut`` (400); anything else a request makes it raise is a fault of the
 server (500), and the worker goes on with the next message (``worker_loop.py``).
@@ -14,12 +16,15 @@ loop; here it is a process of its own, so a long prompt's tokenization never sta
 
 from __future__ import annotations
 
+from typing import Any
+
 import zmq
 from jinja2 import TemplateError
 
 from s00_foundation.tokenizer import Tokenizer, marker, marker_tag
 
 from .io_struct import DebugFaultReq, ErrorOut, GenerateReqInput, TokenizedGenerateReqInput
+from .tool_calls import chat_template_input
 from .worker_loop import Fault, serve_messages
 
 
@@ -45,8 +50,9 @@ class TokenizerManager:
         the messages, e.g. roles that do not alternate): said to the client as a 400."""
         self.fault.fire()
         if req.messages is not None:
-            self.check_names_are_used(req.messages)
-            ids = self.tokenizer.apply_chat_template(req.messages)
+            messages, tools = chat_template_input(req.messages, req.tools, self.tokenizer.knows_tools)
+            self.check_names_are_used(messages)
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools)
         elif req.text is not None:
             ids = self.tokenizer.encode(req.text)
             if not ids:  # "" (with no BOS token to add): nothing for the model to continue
@@ -59,7 +65,7 @@ class TokenizerManager:
                 raise PromptError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
         return TokenizedGenerateReqInput(req.rid, ids, req.sampling_params, req.fill_max_new_tokens, req.echo)
 
-    def check_names_are_used(self, messages: list[dict[str, str]]) -> None:
+    def check_names_are_used(self, messages: list[dict[str, Any]]) -> None:
         """A message's ``name`` must reach the prompt: rendered with a marker in place of each
         name, the template's text must hold every marker; a template that ignores names (most do)
         would drop them silently, so that is refused instead."""

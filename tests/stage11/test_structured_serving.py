@@ -11,7 +11,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import pytest
@@ -206,3 +206,137 @@ def test_an_error_that_quotes_a_huge_grammar_is_cut(server):
         f"expected a 400 saying the regex is invalid, cut short; got {response.status_code} {response.text[:300]}"
     )
     assert len(response.content) < 10_000, f"the error body is {len(response.content)} bytes for a 400 KB regex"
+
+
+# --- tool calls: "required" and a named function are structured output ---------------------------
+
+CITY = {"enum": ["Oslo", "Paris", "Lima"]}
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city over the next days",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": CITY, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": CITY},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMA_OF = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+
+
+def served_calls(server: Server, tool_choice, stream: bool, **more) -> tuple[list[tuple[str, str]], str, object]:
+    """((name, arguments) of each call, finish_reason, content) of a greedy chat with TOOLS."""
+    body = {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": 100,  # (the tiny tokenizer makes the tools' prompt near 900 tokens of its 1024)
+        "stream": stream,
+        **more,
+    }
+    response = post(server, "/v1/chat/completions", body, stream=stream)
+    assert response.status_code == 200, f"tool_choice {tool_choice}: {response.status_code} {response.text[:300]}"
+    if not stream:
+        choice = response.json()["choices"][0]
+        calls = choice["message"].get("tool_calls") or []
+        for call in calls:
+            assert call["id"].startswith("call_") and call["type"] == "function", f"a call's id and type: {call}"
+        named = [(call["function"]["name"], call["function"]["arguments"]) for call in calls]
+        return named, choice["finish_reason"], choice["message"]["content"]
+    pieces: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in read_sse(response):
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            finish = choice["finish_reason"] or finish
+            for delta in choice["delta"].get("tool_calls") or []:
+                if "id" in delta:  # a call's first piece: its id and name
+                    assert delta["index"] not in pieces, f"call {delta['index']} named twice in the stream"
+                    pieces[delta["index"]] = [delta["function"]["name"], ""]
+                pieces[delta["index"]][1] += delta["function"]["arguments"]
+    return [(pieces[i][0], pieces[i][1]) for i in sorted(pieces)], finish, content or None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_forced_tool_calls_follow_the_tools_schemas(server, tiny_models_root, stream):
+    from s09_zmq_serving.tool_calls import ToolChoice, chat_template_input, tool_call_schema
+
+    cases = [
+        ({"type": "function", "function": {"name": "get_time"}}, {}, ToolChoice("named", "get_time")),
+        ("required", {"parallel_tool_calls": False}, ToolChoice("required", parallel=False)),
+        ("required", {}, ToolChoice("required")),
+    ]
+    engine = engine_on(tiny_models_root / "llama", pool_size=1024)
+    for tool_choice, more, choice in cases:
+        what = f"tool_choice {tool_choice} {more} (stream={stream})"
+        calls, finish, content = served_calls(server, tool_choice, stream, **more)
+        assert calls and finish == "tool_calls" and content is None, (
+            f"{what}: the answer should be calls only, ended by the model ('tool_calls'); got calls {calls}, "
+            f"finish_reason {finish!r}, content {content!r}"
+        )
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMA_OF[name])
+        if choice.mode == "named" or not choice.parallel:
+            assert len(calls) == 1, f"{what}: exactly one call, got {calls}"
+        if choice.mode == "named":
+            assert calls[0][0] == "get_time", f"{what}: the call must be get_time's, got {calls}"
+        # offline, the same prompt held to the same schema gives the same calls
+        messages, _ = chat_template_input([{"role": "user", "content": "Weather?"}], TOOLS, False)
+        [out] = engine.generate([messages], [constrained("json", tool_call_schema(TOOLS, choice), max_new_tokens=100)])
+        answer = json.loads(out.text)
+        expected = (
+            [("get_time", answer)] if choice.mode == "named" else [(call["name"], call["arguments"]) for call in answer]
+        )
+        assert [(name, json.loads(arguments)) for name, arguments in calls] == expected, (
+            f"{what}: served {calls}; offline, held to tool_call_schema, the model wrote {out.text!r}"
+        )
+
+
+def test_the_openai_client_reads_the_calls(server):
+    answer = client(server).chat.completions.create(
+        model="llama",
+        messages=[{"role": "user", "content": "Time in Lima?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=60,
+    )
+    [call] = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["city"] in CITY["enum"], (
+        f"the openai client should read one get_time call with a city; it read {call}"
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "bogus"),
+        ({"min_tokens": 3}, "min_tokens cannot be used with a grammar"),
+    ],
+    ids=["bad-schema", "min-tokens"],
+)
+def test_a_forced_call_that_cannot_be_served_is_a_400(server, fields, words):
+    body = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "max_tokens": 5}
+    response = post(server, "/v1/chat/completions", {**body, "tool_choice": "required", **fields})
+    error = response.json().get("error", {})
+    assert response.status_code == 400 and error.get("param") == "tool_choice" and words in error["message"], (
+        f"{fields}: expected a 400 on tool_choice saying {words!r}; got {response.status_code} {error}"
+    )
