@@ -9,9 +9,11 @@ Every client thread, until the time is up, picks a kind of client by weight and 
 (slow clients have threads of their own, since each one waits for the server's read timeout):
 
     good        a chat or a completion, streamed or not; the answer must be a well-formed OpenAI answer
-    structured  the same with a grammar (a JSON schema as chat's response_format, or a regex): an
-                answer that ends by itself must follow it (a JSON object's keys in the schema's
-                order); one in five gives up after 0.2 s, while its grammar compiles or runs
+    structured  the same with a grammar (a JSON schema as chat's response_format, or a regex, or
+                tools with tool_choice "required" or a named function): an answer that ends by
+                itself must follow it (a JSON object's keys in the schema's order; each call one of
+                the tools', its arguments valid against its schema); one in five gives up after
+                0.2 s, while its grammar compiles or runs
     malformed   broken JSON, wrong types, unknown fields, hostile strings (lone surrogates, NUL,
                 template syntax) and numbers (2**63, 10**30, NaN, Infinity): an OpenAI error (4xx)
     huge        a body over the server's cap (413), a prompt longer than any context (400), or a
@@ -43,7 +45,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import requests
@@ -122,6 +124,9 @@ FIELDS = [
     "top_logprobs",
     "user",
     "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -146,6 +151,10 @@ SCHEMAS = [
     },
 ]
 REGEXES = [r"(yes|no)", r"[0-9]{1,3}", r"(cat|dog)s?!", r"é+ ☃"]
+# The tools of structured clients that call them: a function per schema
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": f"tool_{i}", "parameters": schema}} for i, schema in enumerate(SCHEMAS)
+]
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -200,7 +209,7 @@ def mutate(body: dict, rng: random.Random) -> None:
     roll, messages = rng.random(), body.get("messages")
     if roll < 0.25 and isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
         message = dict(rng.choice(messages))
-        message[rng.choice(["role", "content", "name", "tool_calls"])] = hostile_value(rng)
+        message[rng.choice(["role", "content", "name", "tool_calls", "tool_call_id"])] = hostile_value(rng)
         body["messages"] = [*body["messages"], message][-rng.randint(1, 2) :]
     elif roll < 0.35 and isinstance(body.get("prompt"), list):
         body["prompt"] = [*body["prompt"], rng.choice(HOSTILE_NUMBERS)]
@@ -313,12 +322,17 @@ def answer_problems(path: str, body: dict | None, answer: requests.Response, all
     try:
         payload = json.loads(raw)
         choices, use = payload["choices"], payload["usage"]
+        # a chat's answer that calls tools: content null (or text before the calls), finish "tool_calls"
+        calls = [chat and bool(choice["message"].get("tool_calls")) for choice in choices]
         texts = [choice["message"]["content"] if chat else choice["text"] for choice in choices]
         ok = (
             payload["object"] == ("chat.completion" if chat else "text_completion")
             and [choice["index"] for choice in choices] == list(range(choices_asked(body)))
-            and all(isinstance(text, str) for text in texts)
-            and all(choice["finish_reason"] in ("stop", "length") for choice in choices)
+            and all(isinstance(text, str) or (text is None and called) for text, called in zip(texts, calls))
+            and all(
+                choice["finish_reason"] in ("stop", "length") or (choice["finish_reason"] == "tool_calls" and called)
+                for choice, called in zip(choices, calls)
+            )
             and use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"]
             and use["completion_tokens"] >= len(choices)
         )
@@ -407,6 +421,31 @@ def answer_texts(path: str, answer: requests.Response) -> list[tuple[str, str | 
     return [(texts[i], finishes[i]) for i in sorted(texts)]
 
 
+def answer_calls(answer: requests.Response) -> list[tuple[list[tuple[str, str]], str | None]]:
+    """A 200 chat answer's tool calls (name, arguments) and finish reason per choice, streamed or not."""
+    calls: dict[int, dict[int, list[str]]] = {}
+    finishes: dict[int, str | None] = {}
+    for choice in answer_choices(answer):
+        index = choice.get("index", 0)
+        for j, call in enumerate(
+            (choice["message"] if "message" in choice else choice["delta"]).get("tool_calls") or []
+        ):
+            place = calls.setdefault(index, {}).setdefault(call.get("index", j), ["", ""])
+            place[0] += call["function"].get("name") or ""
+            place[1] += call["function"].get("arguments") or ""
+        finishes[index] = choice["finish_reason"] or finishes.get(index)
+    return [([(n, a) for n, a in (calls.get(i) or {}).values()], finishes[i]) for i in sorted(finishes)]
+
+
+def call_problems(calls: list[tuple[str, str]], tool_choice) -> list[str]:
+    """Why the calls of an answer that ended by itself do not follow the tools and tool_choice."""
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    if not calls or (named is not None and [name for name, _ in calls] != [named]):
+        return [f"tool_choice {tool_choice}: the calls {calls} are not what it forces"]
+    return [p for name, arguments in calls for p in grammar_problems(arguments, schemas.get(name), None)]
+
+
 def grammar_problems(text: str, schema: dict | None, regex: str | None) -> list[str]:
     """Why ``text``, an answer that ended by itself, does not follow its grammar."""
     if regex is not None:
@@ -477,8 +516,14 @@ class Soak:
         body = {**good_body(rng, self.model, chat), "max_tokens": 24}
         body.pop("min_tokens", None)  # a grammar decides where its output ends: min_tokens is refused with one
         body.pop("echo", None)  # (the answer alone is checked against its grammar)
-        schema, regex = (rng.choice(SCHEMAS), None) if chat and rng.random() < 0.6 else (None, rng.choice(REGEXES))
-        if schema is not None:
+        roll = rng.random()
+        schema, regex = (rng.choice(SCHEMAS), None) if chat and roll < 0.6 else (None, rng.choice(REGEXES))
+        tool_choice = None
+        if chat and roll < 0.3:  # calls forced by tool_choice: the answer is held to the tools' schemas
+            named = {"type": "function", "function": {"name": TOOLS[-1]["function"]["name"]}}
+            tool_choice = rng.choice(["required", named])
+            body.update(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=rng.random() < 0.5)
+        elif schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
         else:
             body["regex"] = regex
@@ -491,11 +536,15 @@ class Soak:
                 raise
             self.record("structured", "gave up after 0.2 s")
             return
-        if answer.status_code == 400 and "need stage 11's engine" in answer.text:  # a server without grammars
+        if answer.status_code == 400 and "stage 11's engine" in answer.text:  # a server without grammars
             self.record("structured", "400 (this server has no grammars)")
             return
         problems, outcome = answer_problems(path, body, answer, {200, *BUSY}), str(answer.status_code)
-        if not problems and answer.status_code == 200:
+        if not problems and answer.status_code == 200 and tool_choice is not None:
+            made = [calls for calls, finish in answer_calls(answer) if finish != "length"]
+            problems = [problem for calls in made for problem in call_problems(calls, tool_choice)]
+            outcome = "200, calls: checked against the tools" if made else "200, calls cut at max_tokens"
+        elif not problems and answer.status_code == 200:
             ended = [text for text, finish in answer_texts(path, answer) if finish == "stop"]
             problems = [problem for text in ended for problem in grammar_problems(text, schema, regex)]
             outcome = "200, ended: checked against its grammar" if ended else "200, cut at max_tokens"
