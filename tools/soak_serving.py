@@ -26,7 +26,10 @@ a 5xx (500: the server faulted on a request), except 503 when the server is over
 clients at once) and 504 past a --request-timeout. At the end, once nothing runs, it prints the
 requests served, the answers by kind and status, the problems, the KV slots leaked (slots
 neither free nor held by the radix tree: must be 0), every process's resident memory before and
-after, and /health. The exit status is 1 if anything is wrong.
+after, and /health; with a server that serves /metrics (the one it starts does), what they say
+(each finished request counted once, by how it ended; the latencies' means), which must show
+nothing running, queued or holding KV, and no request still timed. The exit status is 1 if
+anything is wrong.
 
 The request generator and the answer checks are shared with the fuzz test
 (tests/stage09/test_serving_fuzz.py), which runs the same hostile bodies through hypothesis.
@@ -646,6 +649,42 @@ def wait_idle(base_url: str, headers: dict, timeout: float = 120) -> dict:
         time.sleep(0.5)
 
 
+def read_metrics(base_url: str, headers: dict) -> dict[str, float] | None:
+    """/metrics' samples by name (a finish reason's counter as 'name{reason}'); None if not served."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    answer = requests.get(base_url + "/metrics", headers=headers, timeout=60)
+    if answer.status_code == 404:
+        return None
+    answer.raise_for_status()
+    samples = {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            reason = sample.labels.get("finish_reason")
+            if not sample.name.endswith(("_bucket", "_created")):
+                samples[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
+    return samples
+
+
+def metrics_line(metrics: dict[str, float]) -> str:
+    def mean(name: str) -> str:
+        count = metrics.get(f"engine:{name}_count", 0)
+        return f"{1000 * metrics[f'engine:{name}_sum'] / count:.1f} ms" if count else "-"
+
+    finished = ", ".join(
+        f"{name[name.index('{') + 1 : -1]} {value:.0f}"
+        for name, value in sorted(metrics.items())
+        if name.startswith("engine:requests_finished_total{")
+    )
+    return (
+        f"/metrics: finished requests by reason: {finished}; "
+        f"mean time to first token {mean('time_to_first_token_seconds')}, "
+        f"between tokens {mean('inter_token_latency_seconds')}, end to end {mean('e2e_request_latency_seconds')}; "
+        f"cache hit rate {metrics['engine:cache_hit_rate']:.2f}; now running {metrics['engine:num_running_reqs']:.0f}, "
+        f"queued {metrics['engine:num_queue_reqs']:.0f}, token usage {metrics['engine:token_usage']:.2f}"
+    )
+
+
 def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key: str | None, seed: int) -> int:
     from tqdm import tqdm
 
@@ -662,13 +701,24 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
     for thread in threads:
         thread.start()
     with tqdm(total=round(minutes * 60), unit="s", desc=f"soak, {clients}+{slow_clients} clients") as bar:
+        scrapes = 0
         while any(thread.is_alive() for thread in threads):
             time.sleep(1)
+            scrapes += 1
+            if scrapes % 5 == 0:  # a Prometheus scraping the server under load: /metrics must answer
+                try:
+                    read_metrics(base_url, headers)
+                    runner.record("metrics", "200")
+                except Exception as error:
+                    runner.record(
+                        "metrics", "failed", [f"GET /metrics under load: {type(error).__name__}: {error}"[:300]]
+                    )
             bar.n = min(bar.total, round(time.monotonic() - start))
             bar.set_postfix(requests=sum(runner.outcomes.values()), problems=len(runner.problems), refresh=True)
     elapsed = time.monotonic() - start
     after = wait_idle(base_url, headers)
     health = requests.get(base_url + "/health", timeout=60)
+    metrics = read_metrics(base_url, headers)
     leaked = after["pool_size"] - after["free_slots"] - after["tree_cached_tokens"]
 
     total = sum(runner.outcomes.values())
@@ -679,7 +729,7 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
         f"({models['id']}, device {after['device']}); {served} answered 200"
     )
     print("answers by kind of client:")
-    for kind in [*KINDS, "slow"]:
+    for kind in [*KINDS, "slow", "metrics"]:
         row = sorted(((outcome, n) for (k, outcome), n in runner.outcomes.items() if k == kind), key=lambda x: -x[1])
         print(f"  {kind:11s} " + ", ".join(f"{outcome}: {n}" for outcome, n in row))
     print(f"problems (neither a well-formed OpenAI answer nor its error body, or a 5xx): {len(runner.problems)}")
@@ -697,8 +747,18 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
         now = rss_mib(pid)
         print(f"  {name:12s} {pid:>8d} {rss_before.get(name) or float('nan'):9.1f} {now or float('nan'):8.1f}")
     print(f"health at the end: {health.status_code} {health.text[:200]}")
+    print(
+        metrics_line(metrics)
+        if metrics is not None
+        else "/metrics: not served (start the server with --enable-metrics)"
+    )
+    idle_metrics = metrics is None or (
+        metrics["engine:num_running_reqs"] == metrics["engine:num_queue_reqs"] == metrics["engine:token_usage"] == 0
+        and after.get("timed_requests", 0) == 0
+    )
     whole = (
-        not runner.problems
+        idle_metrics
+        and not runner.problems
         and leaked == 0
         and after["invariants"] == "ok"
         and after["tracked_requests"] == detokenizer_kept == 0
@@ -740,7 +800,8 @@ def main() -> int:
     model = str(args.model or default_model_path())
     with tempfile.NamedTemporaryFile("w", prefix="soak-server-", suffix=".log", delete=False) as log:
         print(f"starting the server on {model} (its log: {log.name}) ...", flush=True)
-        server = ServerProcess(["--model", model, "--enable-debug-endpoints", *args.server_args.split()], log=log)
+        flags = ["--enable-debug-endpoints", "--enable-metrics"]
+        server = ServerProcess(["--model", model, *flags, *args.server_args.split()], log=log)
         try:
             server.wait_ready()
             return soak(server.base_url, args.minutes, args.clients, args.slow_clients, args.api_key, args.seed)

@@ -3,11 +3,11 @@
 Every arrow is a PUSH -> PULL pair over an ipc socket; each process binds the one socket it
 reads from and connects to the ones it writes to::
 
-    API server ──GenerateReqInput / AbortReq / DebugStateReq / DebugFaultReq──▶ tokenizer worker
-    tokenizer  ──TokenizedGenerateReqInput / AbortReq / DebugStateReq / DebugFaultReq──▶ scheduler
+    API server ──GenerateReqInput / AbortReq / EngineStateReq / DebugStateReq / DebugFaultReq──▶ tokenizer
+    tokenizer  ──TokenizedGenerateReqInput / AbortReq / EngineStateReq / DebugStateReq / DebugFaultReq──▶ scheduler
     tokenizer  ──ErrorOut (a prompt it cannot tokenize, or a fault)──▶ API server
-    scheduler  ──BatchTokenIDOut / ErrorOut / DebugStateOut / DebugFaultReq──▶ detokenizer
-    detokenizer──BatchStrOut / ErrorOut / DebugStateOut──▶ API server
+    scheduler  ──BatchTokenIDOut / ErrorOut / EngineStateOut / DebugStateOut / DebugFaultReq──▶ detokenizer
+    detokenizer──BatchStrOut / ErrorOut / EngineStateOut / DebugStateOut──▶ API server
 
 Requests and aborts travel the same road (API -> tokenizer -> scheduler), so an abort can never
 overtake the request it cancels; outputs and errors travel API-wards through the detokenizer, so
@@ -58,6 +58,13 @@ class TokenizedGenerateReqInput:
 @dataclass
 class AbortReq:
     """Stop this request now and free what it holds (its client went away)."""
+
+    rid: str
+
+
+@dataclass
+class EngineStateReq:
+    """Ask the scheduler, between two steps, for the numbers /metrics shows (metrics.py)."""
 
     rid: str
 
@@ -177,3 +184,11 @@ def describe_error(error: BaseException) -> str:
 class DebugStateOut:
     rid: str
     state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStateOut:
+    """The scheduler's answer to EngineStateReq: its counts, as ``SchedulerProcess.engine_state``."""
+
+    rid: str
+    state: dict[str, Any]

@@ -28,7 +28,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith(("/v1/", "/debug/")):
+        if self.api_key is not None and (scope["path"].startswith(("/v1/", "/debug/")) or scope["path"] == "/metrics"):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.api_key):
                 return await error_response(
                     401,

@@ -45,6 +45,8 @@ from .io_struct import (
     DebugFaultReq,
     DebugStateOut,
     DebugStateReq,
+    EngineStateOut,
+    EngineStateReq,
     ErrorOut,
     PromptEcho,
     TokenizedGenerateReqInput,
@@ -148,6 +150,8 @@ class SchedulerProcess:
             elif isinstance(message, AbortReq):
                 self.abort_request(message.rid)
                 self.echoing.discard(message.rid)
+            elif isinstance(message, EngineStateReq):
+                self.send_to_detokenizer.send_pyobj(EngineStateOut(message.rid, self.engine_state()))
             elif isinstance(message, DebugStateReq):
                 self.send_to_detokenizer.send_pyobj(DebugStateOut(message.rid, self.debug_state()))
             elif isinstance(message, DebugFaultReq):
@@ -304,6 +308,24 @@ class SchedulerProcess:
             stray = sorted(map(str, self.echoing - self.reqs.keys()))
             return f"requests to echo that this process no longer tracks: {stray}"
         return None
+
+    def engine_state(self) -> dict[str, Any]:
+        """The numbers /metrics shows (metrics.py), between two steps: cheap, no invariant walks."""
+        scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
+        tree = getattr(self.engine, "tree_cache", None)
+        evictable = tree.evictable_size() if tree is not None else 0  # slots only the cache holds
+        stats = scheduler.stats
+        return {
+            "running": len(scheduler.reqs_holding_memory()),
+            "waiting": len(scheduler.waiting),
+            "pool_size": allocator.size,
+            "held_slots": allocator.size - allocator.available_size() - evictable,
+            "prefill_tokens": stats.prefill_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "decode_tokens": stats.decode_tokens,
+            "steps": stats.steps,
+            "retractions": stats.num_retractions,
+        }
 
     def debug_state(self) -> dict[str, Any]:
         """Counts and the invariant checks, between two steps (for /debug/state)."""

@@ -84,8 +84,9 @@ class ServerArgs:
     served_model_name: str | None = None  # the name clients pass as "model" (default: the folder's name)
     engine_knobs: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Engine(...)
     log_level: str = "warning"  # every process's logging, uvicorn's included
+    enable_metrics: bool = False  # GET /metrics, for Prometheus (metrics.py)
     # --- the guards ---
-    api_key: str | None = None  # if set, /v1/* and /debug/* need "Authorization: Bearer <key>"
+    api_key: str | None = None  # if set, /v1/*, /debug/* and /metrics need "Authorization: Bearer <key>"
     enable_debug_endpoints: bool = False  # /debug/state and /debug/fault
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_prompt_chars: int | None = None  # None: context x the longest token (a prompt beyond cannot fit)
@@ -130,8 +131,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         help="every process's log level (info also logs every HTTP request)",
     )
+    parser.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="serve GET /metrics: latencies, token counts and the engine's state for Prometheus; off by default",
+    )
     guards = parser.add_argument_group("guards (see the stage 9 README: what can go wrong in a server)")
-    guards.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /debug/*")
+    guards.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /debug/* and /metrics"
+    )
     guards.add_argument(
         "--enable-debug-endpoints",
         action="store_true",
@@ -233,5 +241,6 @@ def from_cli_args(args: argparse.Namespace) -> ServerArgs:
         served_model_name=args.served_model_name,
         engine_knobs=knobs,
         log_level=args.log_level,
+        enable_metrics=args.enable_metrics,
         **guards,
     )

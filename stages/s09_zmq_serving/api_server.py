@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   (streaming or not)
     GET  /v1/models             GET  /health
+    GET  /metrics                                      (only with --enable-metrics: metrics.py)
     GET  /debug/state           POST /debug/fault      (only with --enable-debug-endpoints)
 
 A request is validated here (``protocol.py``), given a request id, and sent on through the
@@ -30,13 +31,15 @@ from typing import AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from s02_request_and_sampling.sampling_params import MAX_SEED
 
 from .engine_client import ClientGone, EngineClient, OutputPiece, rejection
 from .http_errors import OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
-from .io_struct import DebugFaultReq, DebugStateReq, ErrorOut, GenerateReqInput, LogprobEntry
+from .io_struct import DebugFaultReq, DebugStateReq, EngineStateReq, ErrorOut, GenerateReqInput, LogprobEntry
+from .metrics import ServerMetrics
 from .protocol import (  # noqa: F401
     ChatCompletionRequest,
     Choice,
@@ -62,6 +65,7 @@ from .worker_loop import INJECTED, Heartbeats
 
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 SHUTTING_DOWN = "the server is shutting down; the request was cut short"
+METRICS_TIMEOUT_S = 10  # a scrape waits this long for the scheduler (Prometheus' own default scrape_timeout)
 
 
 def sse(data: dict | str) -> str:
@@ -133,6 +137,7 @@ class OpenAIServing:
         self.max_in_flight = max_running_requests + server_args.max_queued_requests
         self.client: EngineClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = ServerMetrics(self.model_names[0]) if server_args.enable_metrics else None
 
     def fail_all_from_any_thread(self, message: str, status: int) -> None:
         """Answer every request in flight, and every later one, with ``message`` (the launcher's
@@ -253,7 +258,7 @@ class OpenAIServing:
         reqs = [r for group in groups for r in group]
         rids = [r.rid for r in reqs]
         prompt_of = {r.rid: i for i, group in enumerate(groups) for r in group}  # usage counts each prompt once
-        queue = client.open(rids, self.max_in_flight)
+        queue = client.open(rids, self.max_in_flight, timed=True)
         for r in reqs:
             client.send(r)
         try:
@@ -364,7 +369,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = serving.client = EngineClient(ipc)
+        client = serving.client = EngineClient(ipc, serving.metrics)
         serving.loop = asyncio.get_running_loop()
         reader = asyncio.create_task(client.reader_loop())
         yield
@@ -425,20 +430,36 @@ def create_app(
             return error_response(503, why, "server_error")
         return {"status": "ok"}
 
-    if server_args.enable_debug_endpoints:
+    async def ask_workers(message, timeout: float = 60) -> dict:
+        """Send a question down the road (tokenizer -> scheduler -> detokenizer) and wait for its answer."""
+        client = serving.client
+        assert client is not None
+        queue = client.open([message.rid])
+        client.send(message)
+        try:
+            answer = await asyncio.wait_for(queue.get(), timeout=timeout)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the scheduler did not answer in {timeout:g} s (a long step, or a stalled process: see /health)",
+                status_code=503,
+                type="server_error",
+            ) from None
+        finally:
+            client.queues.pop(message.rid, None)
+        if isinstance(answer, ErrorOut):
+            raise rejection(answer)
+        return answer.state
 
-        async def ask_workers(message) -> dict:
-            client = serving.client
-            assert client is not None
-            queue = client.open([message.rid])
-            client.send(message)
-            try:
-                answer = await asyncio.wait_for(queue.get(), timeout=60)
-            finally:
-                client.queues.pop(message.rid, None)
-            if isinstance(answer, ErrorOut):
-                raise rejection(answer)
-            return answer.state
+    if serving.metrics is not None:
+        metrics = serving.metrics
+
+        @app.get("/metrics")
+        async def prometheus_metrics():
+            """Prometheus' text format: this process's request timings and the scheduler's counts."""
+            state = await ask_workers(EngineStateReq(new_id("metrics")), timeout=METRICS_TIMEOUT_S)
+            return Response(metrics.render(state), media_type=CONTENT_TYPE_LATEST)
+
+    if server_args.enable_debug_endpoints:
 
         @app.get("/debug/state")
         async def debug_state():
@@ -453,7 +474,14 @@ def create_app(
                 "heartbeat_ages": heartbeats.ages() if heartbeats else None,
             }
             assert serving.client is not None
-            return {**answer, "open_requests": len(serving.client.queues), "pids": pids, "guards": guards}
+            timed = len(serving.metrics.timings) if serving.metrics is not None else 0
+            return {
+                **answer,
+                "open_requests": len(serving.client.queues),
+                "timed_requests": timed,  # requests the metrics still time (none once all have ended)
+                "pids": pids,
+                "guards": guards,
+            }
 
         @app.post("/debug/fault")
         async def debug_fault(fault: DebugFault):

@@ -12,6 +12,8 @@ time is up::
 
 A request leaves the table when its last piece (or an error) arrives, or when it is aborted: a
 client that went away, a request past its time. The table's size is what the queue cap counts.
+With ``--enable-metrics`` the same three places tell ``ServerMetrics`` (metrics.py): the moment
+each piece arrived, and each request that ended without its last piece.
 
 An API request with ``n`` choices is n engine requests (n rids) sharing one queue: each piece
 names its rid, and the handler reads until every one of them has finished.
@@ -27,7 +29,8 @@ import zmq
 import zmq.asyncio
 from fastapi import Request
 
-from .io_struct import AbortReq, BatchStrOut, DebugStateOut, ErrorOut, LogprobEntry
+from .io_struct import AbortReq, BatchStrOut, DebugStateOut, EngineStateOut, ErrorOut, LogprobEntry
+from .metrics import ServerMetrics
 from .protocol import InvalidRequest
 
 DISCONNECT_POLL_S = 0.2  # while a request waits for its answer, look this often whether its client left
@@ -67,7 +70,8 @@ class ClientGone(Exception):
 class EngineClient:
     """The API server's end of the sockets, and one queue per request in flight."""
 
-    def __init__(self, ipc):
+    def __init__(self, ipc, metrics: ServerMetrics | None = None):
+        self.metrics = metrics
         self.send_to_tokenizer = zmq.Context.instance().socket(zmq.PUSH)
         self.send_to_tokenizer.connect(ipc.tokenizer)
         self.recv_from_workers = zmq.asyncio.Context.instance().socket(zmq.PULL)
@@ -84,8 +88,11 @@ class EngineClient:
         while True:
             message = await self.recv_from_workers.recv_pyobj()
             if isinstance(message, BatchStrOut):
+                now = asyncio.get_running_loop().time()
                 for i, rid in enumerate(message.rids):
                     finish = message.finish_reasons[i]
+                    if self.metrics is not None:
+                        self.metrics.piece(rid, message.prompt_tokens[i], message.completion_tokens[i], finish, now)
                     queue = self.queues.pop(rid, None) if finish is not None else self.queues.get(rid)
                     if queue is not None:
                         queue.put_nowait(
@@ -98,11 +105,12 @@ class EngineClient:
                                 message.logprobs[i],
                             )
                         )
-            elif isinstance(message, (ErrorOut, DebugStateOut)):
+            elif isinstance(message, (ErrorOut, EngineStateOut, DebugStateOut)):
                 queue = self.queues.pop(message.rid, None)
                 if queue is not None:
                     queue.put_nowait(message)
                 if isinstance(message, ErrorOut):
+                    self.ended([message.rid], "error")
                     # An error ends the request everywhere: if it came from the detokenizer the
                     # scheduler still runs it (an abort of a request it no longer has is a no-op).
                     self.send(AbortReq(message.rid))
@@ -113,11 +121,19 @@ class EngineClient:
         self.fatal = ErrorOut("", message, status)
         for rid, queue in self.queues.items():
             queue.put_nowait(ErrorOut(rid, message, status))
+        self.ended(list(self.queues), "error")
         self.queues.clear()
 
-    def open(self, rids: list[str], max_in_flight: int | None = None) -> asyncio.Queue:
+    def ended(self, rids: list[str], reason: str) -> None:
+        """For the metrics: ``rids`` ended without their last piece (a no-op for a rid that had it)."""
+        if self.metrics is not None:
+            for rid in rids:
+                self.metrics.end(rid, reason)
+
+    def open(self, rids: list[str], max_in_flight: int | None = None, timed: bool = False) -> asyncio.Queue:
         """One queue for the engine requests ``rids`` (an API request's choices), all of them
-        counted against ``max_in_flight``: a request whose choices do not all fit is refused whole."""
+        counted against ``max_in_flight``: a request whose choices do not all fit is refused whole.
+        ``timed``: they are requests for text, which the metrics time from now (questions are not)."""
         if self.fatal is not None:
             raise rejection(self.fatal)
         if max_in_flight is not None and len(self.queues) + len(rids) > max_in_flight:
@@ -132,6 +148,8 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         for rid in rids:
             self.queues[rid] = queue
+        if timed and self.metrics is not None:
+            self.metrics.start(rids, asyncio.get_running_loop().time())
         return queue
 
     def abort(self, rids: list[str]) -> None:
@@ -139,6 +157,7 @@ class EngineClient:
         for rid in rids:
             if self.queues.pop(rid, None) is not None:
                 self.send(AbortReq(rid))
+        self.ended(rids, "abort")
 
     async def next_output(self, queue: asyncio.Queue, request: Request | None, deadline: float | None):
         """The next item of a request's queue. With ``request``, raise ClientGone if its client

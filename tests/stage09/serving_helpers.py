@@ -72,7 +72,8 @@ GUARD_ARGS = [
 class Server:
     """A running server (``python -m s09_zmq_serving``) and its log, for the tests.
 
-    ``debug``: serve /debug/state and /debug/fault (``--enable-debug-endpoints``); ``api_key``:
+    ``debug``: serve /debug/state and /debug/fault (``--enable-debug-endpoints``); ``metrics``: serve
+    /metrics (``--enable-metrics``); ``api_key``:
     the server's key, sent with every request these helpers make. The log goes in ``log_dir``:
     pytest's own temporary folder, which keeps the last three runs (a failure can be read there
     afterwards) and deletes older ones."""
@@ -84,6 +85,7 @@ class Server:
         log_dir: Path,
         new_session: bool = False,
         debug: bool = True,
+        metrics: bool = True,
         api_key: str | None = None,
     ):
         self.model = model
@@ -92,7 +94,11 @@ class Server:
         self.silent: str | None = None  # why the server is not asked again
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
         self.log_path, self.log = Path(name), os.fdopen(fd, "w")
-        flags = [*(["--enable-debug-endpoints"] if debug else []), *(["--api-key", api_key] if api_key else [])]
+        flags = [
+            *(["--enable-debug-endpoints"] if debug else []),
+            *(["--enable-metrics"] if metrics else []),
+            *(["--api-key", api_key] if api_key else []),
+        ]
         self.process = ServerProcess(["--model", str(model), *flags, *args], log=self.log, new_session=new_session)
         self.base_url = self.process.base_url
         try:

@@ -80,6 +80,8 @@ def test_an_api_key_is_required(guarded_server):
         )
         assert error["code"] == "invalid_api_key", f"OpenAI's code for a bad key is 'invalid_api_key': {error}"
     assert_openai_error(requests.get(url + "/debug/state", timeout=30), 401, "/debug/state without the key")
+    assert_openai_error(requests.get(url + "/metrics", timeout=30), 401, "/metrics without the key")
+    assert guarded_server.get("/metrics").status_code == 200, "/metrics with the key must answer"
     assert requests.get(url + "/health", timeout=30).status_code == 200, (
         "/health must answer without a key (load balancers)"
     )

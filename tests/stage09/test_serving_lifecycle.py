@@ -64,19 +64,19 @@ def test_clients_that_disconnect_are_aborted_and_their_kv_freed(default_server):
 def test_stopping_the_server_ends_streams_and_leaves_no_process(tiny_server, tiny_models_root, tmp_path, how):
     # tiny_server first: a server that cannot even start (an unwritten stage) fails here at once,
     # instead of being started three more times to fail the same way.
-    # Started as `make serve` starts it: no debug endpoints (they are off by default).
-    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path, new_session=True, debug=False)
+    # Started as `make serve` starts it: no debug endpoints, no metrics (they are off by default).
+    server = Server(tiny_models_root / TINY_FAMILY, TINY_ARGS, tmp_path, new_session=True, debug=False, metrics=False)
     pids, events = {}, []
     try:
         pids = server.pids()
         assert len(pids) == 4, (
             f"the startup line should list the pids of the API server and its three workers; got {pids}"
         )
-        for path in ("/debug/state", "/debug/fault"):
-            answer = requests.request("GET" if path == "/debug/state" else "POST", server.base_url + path, timeout=30)
+        for path in ("/debug/state", "/debug/fault", "/metrics"):
+            answer = requests.request("POST" if path == "/debug/fault" else "GET", server.base_url + path, timeout=30)
+            flag = "--enable-metrics" if path == "/metrics" else "--enable-debug-endpoints"
             assert answer.status_code == 404, (
-                f"{path} answered {answer.status_code} on a server started without --enable-debug-endpoints: debug "
-                "endpoints must be off by default"
+                f"{path} answered {answer.status_code} on a server started without {flag}: it must be off by default"
             )
         # A stream in flight when the signal comes (1000 tokens: it runs for seconds).
         stream = requests.post(
