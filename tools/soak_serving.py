@@ -649,21 +649,27 @@ def wait_idle(base_url: str, headers: dict, timeout: float = 120) -> dict:
         time.sleep(0.5)
 
 
-def read_metrics(base_url: str, headers: dict) -> dict[str, float] | None:
-    """/metrics' samples by name (a finish reason's counter as 'name{reason}'); None if not served."""
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus' text format as {name: value} (a finish reason's counter as 'name{reason}';
+    histograms' buckets left out), parsed by prometheus_client's own parser: malformed text raises."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    answer = requests.get(base_url + "/metrics", headers=headers, timeout=60)
-    if answer.status_code == 404:
-        return None
-    answer.raise_for_status()
     samples = {}
-    for family in text_string_to_metric_families(answer.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             reason = sample.labels.get("finish_reason")
             if not sample.name.endswith(("_bucket", "_created")):
                 samples[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
     return samples
+
+
+def read_metrics(base_url: str, headers: dict) -> dict[str, float] | None:
+    """/metrics' samples (metric_samples); None if the server does not serve it."""
+    answer = requests.get(base_url + "/metrics", headers=headers, timeout=60)
+    if answer.status_code == 404:
+        return None
+    answer.raise_for_status()
+    return metric_samples(answer.text)
 
 
 def metrics_line(metrics: dict[str, float]) -> str:

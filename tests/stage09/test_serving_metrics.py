@@ -9,30 +9,23 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving_helpers import TINY_FAMILY, Server, post, read_sse, wait_idle
+from soak_serving import metric_samples
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
 def scrape(server: Server) -> dict[str, float]:
-    """Every sample of /metrics by name (a finish reason's counter as 'name{reason}'), parsed by
-    prometheus_client's own parser: a malformed exposition fails here."""
+    """Every sample of /metrics by name, parsed by prometheus_client's own parser (a malformed
+    exposition fails here)."""
     answer = server.get("/metrics")
     assert answer.status_code == 200, f"GET /metrics answered {answer.status_code}: {answer.text[:300]}"
     assert answer.headers["content-type"].startswith("text/plain"), (
         f"Prometheus reads the text format (text/plain); /metrics said {answer.headers['content-type']}"
     )
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(answer.text):
-        for sample in family.samples:
-            if sample.name.endswith(("_bucket", "_created")):
-                continue
-            reason = sample.labels.get("finish_reason")
-            samples[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
-    return samples
+    return metric_samples(answer.text)
 
 
 def change(before: dict[str, float], after: dict[str, float], name: str) -> float:
