@@ -316,6 +316,7 @@ class SchedulerProcess:
         evictable = tree.evictable_size() if tree is not None else 0  # slots only the cache holds
         stats = scheduler.stats
         return {
+            # running: every request that holds memory (the half-prefilled one, one that waits for a step in flight)
             "running": len(scheduler.reqs_holding_memory()),
             "waiting": len(scheduler.waiting),
             "pool_size": allocator.size,
@@ -328,22 +329,19 @@ class SchedulerProcess:
         }
 
     def debug_state(self) -> dict[str, Any]:
-        """Counts and the invariant checks, between two steps (for /debug/state)."""
+        """The engine's counts (``engine_state``), the invariant checks and what every request
+        holds, between two steps (for /debug/state)."""
         scheduler, allocator = self.engine.scheduler, self.engine.runner.allocator
         tree = getattr(self.engine, "tree_cache", None)
         in_engine = [req.rid for req in [*scheduler.waiting, *scheduler.reqs_holding_memory()] if not req.finished]
         return {
-            # running: every request that holds memory (the half-prefilled one, one that waits for a step in flight)
-            "running": len(scheduler.reqs_holding_memory()),
-            "waiting": len(scheduler.waiting),
+            **self.engine_state(),
             "tracked_requests": len(self.reqs),
             # requests the engine still runs that this process forgot (an abort that did not end them there)
             "untracked_requests": [rid for rid in in_engine if rid not in self.reqs],
-            "pool_size": allocator.size,
             "free_slots": allocator.available_size(),
             "tree_cached_tokens": tree.total_size() if tree is not None else 0,
             "tree_locked_tokens": tree.protected_size_ if tree is not None else 0,
-            "steps": scheduler.stats.steps,
             "context_len": self.context_len,
             # where and how the passes run: e.g. "cuda:0", "torch.bfloat16", {"eager": 12, "graph": 340}
             "device": str(self.engine.model.device),
