@@ -27,9 +27,10 @@ clients at once) and 504 past a --request-timeout. At the end, once nothing runs
 requests served, the answers by kind and status, the problems, the KV slots leaked (slots
 neither free nor held by the radix tree: must be 0), every process's resident memory before and
 after, and /health; with a server that serves /metrics (the one it starts does), what they say
-(each finished request counted once, by how it ended; the latencies' means), which must show
-nothing running, queued or holding KV, and no request still timed. The exit status is 1 if
-anything is wrong.
+(each finished request counted once, by how it ended; the latencies' means; every HTTP answer by
+status, which must hold no 5xx but 503 and 504, even one sent to a client that had left), which
+must show nothing running, queued or holding KV, and no request still timed. The exit status is 1
+if anything is wrong.
 
 The request generator and the answer checks are shared with the fuzz test
 (tests/stage09/test_serving_fuzz.py), which runs the same hostile bodies through hypothesis.
@@ -650,16 +651,18 @@ def wait_idle(base_url: str, headers: dict, timeout: float = 120) -> dict:
 
 
 def metric_samples(text: str) -> dict[str, float]:
-    """Prometheus' text format as {name: value} (a finish reason's counter as 'name{reason}';
-    histograms' buckets left out), parsed by prometheus_client's own parser: malformed text raises."""
+    """Prometheus' text format as {name: value}, a sample's labels other than model_name as the
+    values in braces ('name{stop}' for a finish reason's counter, 'name{/v1/completions,400}' for an
+    HTTP count; histograms' buckets left out), parsed by prometheus_client's own parser: malformed
+    text raises."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            reason = sample.labels.get("finish_reason")
+            labels = ",".join(value for name, value in sample.labels.items() if name != "model_name")
             if not sample.name.endswith(("_bucket", "_created")):
-                samples[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
+                samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return samples
 
 
@@ -691,12 +694,23 @@ def metrics_line(metrics: dict[str, float]) -> str:
     )
 
 
+def http_answers(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The HTTP answers the server counted between two scrapes (engine:http_requests_total), by status."""
+    answered: dict[str, int] = {}
+    for name, value in after.items():
+        if name.startswith("engine:http_requests_total{"):
+            status = name[:-1].rsplit(",", 1)[1]
+            answered[status] = answered.get(status, 0) + round(value - before.get(name, 0.0))
+    return {status: n for status, n in answered.items() if n}
+
+
 def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key: str | None, seed: int) -> int:
     from tqdm import tqdm
 
     headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
     models = requests.get(base_url + "/v1/models", headers=headers, timeout=60).json()["data"][0]
     before = debug_state(base_url, headers)
+    metrics_before = read_metrics(base_url, headers) or {}
     rss_before = {name: rss_mib(pid) for name, pid in before["pids"].items()}
     runner = Soak(base_url, models["id"], minutes * 60, headers, before["guards"])
     threads = [
@@ -758,12 +772,24 @@ def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key
         if metrics is not None
         else "/metrics: not served (start the server with --enable-metrics)"
     )
+    faults = {}
+    if metrics is not None:
+        answered = http_answers(metrics_before, metrics)
+        print(
+            "the server's own count of its answers (/metrics), by status: "
+            + (", ".join(f"{status}: {n}" for status, n in sorted(answered.items())) or "none")
+        )
+        # what the clients saw is checked above; this also covers answers no client stayed to read
+        faults = {status: n for status, n in answered.items() if int(status) >= 500 and int(status) not in BUSY}
+        if faults:
+            print(f"  server faults among them: {faults}")
     idle_metrics = metrics is None or (
         metrics["engine:num_running_reqs"] == metrics["engine:num_queue_reqs"] == metrics["engine:token_usage"] == 0
         and after.get("timed_requests", 0) == 0
     )
     whole = (
         idle_metrics
+        and not faults
         and not runner.problems
         and leaked == 0
         and after["invariants"] == "ok"

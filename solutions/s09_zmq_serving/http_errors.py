@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .io_struct import describe_error
 from .protocol import InvalidRequest, error_body
 
+CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried
 

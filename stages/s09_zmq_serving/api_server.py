@@ -37,9 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from s02_request_and_sampling.sampling_params import MAX_SEED
 
 from .engine_client import ClientGone, EngineClient, OutputPiece, rejection
-from .http_errors import OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
+from .http_errors import CLIENT_CLOSED_REQUEST, OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
 from .io_struct import DebugFaultReq, DebugStateReq, EngineStateReq, ErrorOut, GenerateReqInput, LogprobEntry
-from .metrics import ServerMetrics
+from .metrics import HTTPRequestCounter, ServerMetrics
 from .protocol import (  # noqa: F401
     ChatCompletionRequest,
     Choice,
@@ -63,7 +63,6 @@ from .server_args import ServerArgs
 from .tool_calls import ToolCallParser, read_whole, resolve_tool_choice, stream_delta, tool_call_schema
 from .worker_loop import INJECTED, Heartbeats
 
-CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 SHUTTING_DOWN = "the server is shutting down; the request was cut short"
 METRICS_TIMEOUT_S = 10  # a scrape waits this long for the scheduler (Prometheus' own default scrape_timeout)
 
@@ -156,6 +155,7 @@ class OpenAIServing:
         return self.model_names[0]
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        arrived = asyncio.get_running_loop().time()  # the metrics time the request from here
         check_limits(body, self.limits)
         model = self.check_model(body.model)
         check_supported(body)
@@ -178,10 +178,11 @@ class OpenAIServing:
         names = [tool["function"]["name"] for tool in tools or ()]
         reader = None if tools is None else (lambda: ToolCallParser(tool_choice, names))
         return await self.generate(
-            request, req.rid, [req], body.n or 1, body.stream, include_usage, model, "chat", reader
+            request, arrived, req.rid, [req], body.n or 1, body.stream, include_usage, model, "chat", reader
         )
 
     async def completions(self, body: CompletionRequest, request: Request):
+        arrived = asyncio.get_running_loop().time()
         check_limits(body, self.limits)
         model = self.check_model(body.model)
         check_supported(body)
@@ -203,7 +204,9 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts)
         ]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(request, rid, reqs, body.n or 1, body.stream, include_usage, model, "completion")
+        return await self.generate(
+            request, arrived, rid, reqs, body.n or 1, body.stream, include_usage, model, "completion"
+        )
 
     async def constrain(self, params, response_format: dict | None, regex: str | None):
         """response_format and regex need stage 11's engine (structured output): imported here,
@@ -231,6 +234,7 @@ class OpenAIServing:
     async def generate(
         self,
         request: Request,
+        arrived: float,
         answer_id: str,
         prompts: list[GenerateReqInput],
         n: int,
@@ -242,7 +246,8 @@ class OpenAIServing:
     ):
         """Send each of ``prompts`` on (as ``n`` engine requests, one per choice: choice i * n + j
         is prompt i's j-th) and answer ``answer_id`` with what comes back: the whole answer, or a
-        stream. ``tool_reader``: a chat with tools reads each choice's text with a parser of its own."""
+        stream. ``arrived``: when the request reached its route (loop time; the metrics time it from
+        there). ``tool_reader``: a chat with tools reads each choice's text with a parser of its own."""
         client = self.client
         assert client is not None, "the app has not started"
         asked = prompts[0].sampling_params.logprobs is not None
@@ -258,7 +263,7 @@ class OpenAIServing:
         reqs = [r for group in groups for r in group]
         rids = [r.rid for r in reqs]
         prompt_of = {r.rid: i for i, group in enumerate(groups) for r in group}  # usage counts each prompt once
-        queue = client.open(rids, self.max_in_flight, timed=True)
+        queue = client.open(rids, self.max_in_flight, arrived=arrived)
         for r in reqs:
             client.send(r)
         try:
@@ -386,6 +391,8 @@ def create_app(
         api_key=server_args.api_key,
     )
     install_error_handlers(app)
+    if serving.metrics is not None:  # added last, so outermost: it sees the guards' refusals too
+        app.add_middleware(HTTPRequestCounter, metrics=serving.metrics, router=app.router)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

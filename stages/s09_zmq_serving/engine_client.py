@@ -130,10 +130,11 @@ class EngineClient:
             for rid in rids:
                 self.metrics.end(rid, reason)
 
-    def open(self, rids: list[str], max_in_flight: int | None = None, timed: bool = False) -> asyncio.Queue:
+    def open(self, rids: list[str], max_in_flight: int | None = None, arrived: float | None = None) -> asyncio.Queue:
         """One queue for the engine requests ``rids`` (an API request's choices), all of them
         counted against ``max_in_flight``: a request whose choices do not all fit is refused whole.
-        ``timed``: they are requests for text, which the metrics time from now (questions are not)."""
+        ``arrived`` (loop time): they are requests for text, which the metrics time from then
+        (questions to the workers are not timed)."""
         if self.fatal is not None:
             raise rejection(self.fatal)
         if max_in_flight is not None and len(self.queues) + len(rids) > max_in_flight:
@@ -148,8 +149,8 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         for rid in rids:
             self.queues[rid] = queue
-        if timed and self.metrics is not None:
-            self.metrics.start(rids, asyncio.get_running_loop().time())
+        if arrived is not None and self.metrics is not None:
+            self.metrics.start(rids, arrived)
         return queue
 
     def abort(self, rids: list[str]) -> None:

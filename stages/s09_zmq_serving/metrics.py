@@ -9,6 +9,8 @@ numbers come from two places, each measuring what only it can see:
   the gap between tokens, the whole request, and how each engine request ended. ``EngineClient``
   reports every piece of an answer at the moment it arrives (``piece``) and every request that
   ends without its last piece (``end``: its client left, it ran out of time, a worker failed).
+  ``HTTPRequestCounter`` counts every HTTP answer by route and status, the ones no engine request
+  ever saw too: the guards' 401/408/413, validation's 400s, unknown paths' 404s.
 - **The engine's state** (the scheduler process, asked at each scrape, between two of its steps
   as /debug/state is): requests running and queued, the share of KV slots requests hold, and what
   the forward passes computed (prefill tokens, tokens taken from the prefix cache, decode tokens).
@@ -25,6 +27,9 @@ from typing import Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import Match, Router
+
+from .http_errors import CLIENT_CLOSED_REQUEST
 
 PREFIX = "engine:"
 # Buckets wide enough for a laptop CPU (seconds per token) and a GPU (milliseconds).
@@ -56,7 +61,10 @@ class ServerMetrics:
             return Counter(PREFIX + name, doc, list(labels), registry=self.registry).labels(**labels)
 
         self.ttft = histogram(
-            "time_to_first_token_seconds", "From sending a request to the workers to its first token.", TTFT_BUCKETS
+            "time_to_first_token_seconds",
+            "From a request's arrival at its route (parsed and validated) to its first token; a grammar's "
+            "compile, tokenizing and the queue included.",
+            TTFT_BUCKETS,
         )
         self.itl = histogram(
             "inter_token_latency_seconds",
@@ -64,7 +72,9 @@ class ServerMetrics:
             ITL_BUCKETS,
         )
         self.e2e = histogram(
-            "e2e_request_latency_seconds", "From sending a request to its last token (finished ones).", E2E_BUCKETS
+            "e2e_request_latency_seconds",
+            "From a request's arrival at its route to its last token (finished ones).",
+            E2E_BUCKETS,
         )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of the requests that got a first token.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated and sent to clients.")
@@ -75,14 +85,22 @@ class ServerMetrics:
             [*labels, "finish_reason"],
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            PREFIX + "http_requests_total",
+            "HTTP requests by the route that served them ('other': a path this server does not serve) and the "
+            f"status of the answer ({CLIENT_CLOSED_REQUEST}: the client left before an answer).",
+            [*labels, "endpoint", "status"],
+            registry=self.registry,
+        )
         self.model_name = model_name
         self.engine_state = EngineStateCollector(model_name)
         self.registry.register(self.engine_state)
         self.timings: dict[str, Timing] = {}  # rid -> its timing, while in flight
 
-    def start(self, rids: list[str], now: float) -> None:
+    def start(self, rids: list[str], arrived: float) -> None:
+        """``rids`` were sent to the workers, for a request that reached its route at ``arrived``."""
         for rid in rids:
-            self.timings[rid] = Timing(now, now)
+            self.timings[rid] = Timing(arrived, arrived)
 
     def piece(self, rid: str, prompt_tokens: int, tokens: int, finish_reason: str | None, now: float) -> None:
         """A piece of ``rid``'s answer arrived at ``now``; ``tokens``: every token it has so far."""
@@ -115,6 +133,44 @@ class ServerMetrics:
         """The scrape's answer, in Prometheus' text format, with the scheduler's ``engine_state``."""
         self.engine_state.state = engine_state  # set and read without an await between: one scrape's
         return generate_latest(self.registry)
+
+
+class HTTPRequestCounter:
+    """ASGI middleware, outside the guards: every HTTP answer counted by route and status
+    (``engine:http_requests_total``), the refusals that never reach a route included.
+
+    The label is the route's template (``/v1/models/{name:path}``), found before anything runs, so
+    a 401 or 413 from the guards still names the route it was meant for; a path the app does not
+    serve is ``other``. A label per path would let any client grow the registry without bound, one
+    invented URL at a time. The status is the one the answer started with: a stream that ends in an
+    error event is a 200 (its engine requests count as ``error`` in requests_finished_total)."""
+
+    def __init__(self, app, metrics: ServerMetrics, router: Router):
+        self.app, self.metrics, self.router = app, metrics, router
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = next(
+            (route.path for route in self.router.routes if route.matches(scope)[0] is not Match.NONE), "other"
+        )
+        status = None
+
+        async def noting(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting)
+        except Exception:
+            status = status or 500  # the error handler outside answers it with a 500
+            raise
+        finally:
+            # no answer at all: the client left while its request was being read
+            status = status or CLIENT_CLOSED_REQUEST
+            self.metrics.http_requests.labels(self.metrics.model_name, endpoint, str(status)).inc()
 
 
 class EngineStateCollector(Collector):

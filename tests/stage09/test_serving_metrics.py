@@ -1,14 +1,18 @@
 """Stage 9 (graded): GET /metrics (``--enable-metrics``) in Prometheus' text format. Its counts must
-be the ones the clients got (usage, finish reasons), its latency histograms must hold one sample
-per request (time to first token, end to end) and per later token (inter-token), a request cut short
-counts as "abort" or "error", and once nothing runs the engine's gauges say so. Each test reads the
-counters before and after its own requests: the server is shared with other tests of this worker."""
+be the ones the clients got (usage, finish reasons, every HTTP answer's status), its latency
+histograms must hold one sample per request (time to first token, end to end) and per later token
+(inter-token), a request cut short counts as "abort" or "error", and once nothing runs the engine's
+gauges say so. Each test reads the counters before and after its own requests: the server is shared
+with other tests of this worker."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import pytest
+import requests
 
 from serving_helpers import TINY_FAMILY, Server, post, read_sse, wait_idle
 from soak_serving import metric_samples
@@ -195,3 +199,61 @@ def test_metrics_answer_while_requests_run(tiny_server):
         f"three running requests hold KV slots: token_usage must be above 0; it is {during['engine:token_usage']}"
     )
     wait_idle(server, "after three streams were closed")
+
+
+def http_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """How many HTTP answers each (route, status) got between the two scrapes, /metrics' own left out."""
+    keys = {name for name in after if name.startswith("engine:http_requests_total{") and "{/metrics," not in name}
+    counts = {name[name.index("{") + 1 : -1]: int(change(before, after, name)) for name in keys}
+    return {key: count for key, count in counts.items() if count}
+
+
+def test_every_http_answer_is_counted_by_route_and_status(guarded_server):
+    """The guards' refusals (401, 413), validation's 400, a 405, a 404 from a route and from paths
+    nobody serves, a fault's 500 and a client that left mid-body (499, no answer) are each counted
+    once, under the route they were sent to; invented paths all count as "other"."""
+    server = guarded_server
+    wait_idle(server, "before the test")
+    before = scrape(server)
+    url = server.base_url + COMPLETIONS
+    good = {"model": TINY_FAMILY, "prompt": "count me", "max_tokens": 1}
+    statuses = [
+        post(server, COMPLETIONS, good).status_code,
+        post(server, COMPLETIONS, {**good, "max_tokens": -1}).status_code,
+        requests.post(url, json=good, timeout=60).status_code,  # no API key
+        post(server, COMPLETIONS, data=json.dumps({**good, "prompt": "x" * 70_000})).status_code,  # over 64 KiB
+        server.get(COMPLETIONS).status_code,
+        server.get("/v1/models/no-such-model").status_code,
+    ]
+    invented = [server.get(f"/nothing/{i}/\u00e9\U0001f600%00").status_code for i in range(12)]
+    with pytest.raises(requests.HTTPError):  # a fault of the API server on this very request: a 500
+        post(server, "/debug/fault", {"process": "api_server"}).raise_for_status()
+    with socket.create_connection(("127.0.0.1", server.process.port)) as sock:  # half a body, then gone
+        sock.sendall(
+            f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: {server.headers['Authorization']}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+        )
+    assert statuses == [200, 400, 401, 413, 405, 404] and set(invented) == {404}, (
+        f"the requests themselves should have been answered 200, 400, 401, 413, 405, 404 and 404s; got {statuses} "
+        f"and {sorted(set(invented))}"
+    )
+    expected = {
+        f"{COMPLETIONS},200": 1,
+        f"{COMPLETIONS},400": 1,
+        f"{COMPLETIONS},401": 1,
+        f"{COMPLETIONS},413": 1,
+        f"{COMPLETIONS},405": 1,
+        f"{COMPLETIONS},499": 1,
+        "/v1/models/{name:path},404": 1,
+        "other,404": 12,
+        "/debug/fault,500": 1,
+    }
+    deadline = time.monotonic() + 20  # the vanished client is counted once the server notices it left
+    while time.monotonic() < deadline and http_counts(before, after := scrape(server)) != expected:
+        time.sleep(0.2)
+    assert http_counts(before, after) == expected, (
+        "engine:http_requests_total must count each answer once under the route's template and the status the "
+        "client got (499: it left before any answer; 'other': a path this server does not serve, so invented "
+        f"URLs cannot grow the registry). Expected {expected}, counted {http_counts(before, after)}"
+    )
+    assert change(before, after, "engine:http_requests_total{/metrics,200}") >= 1, "the scrape counts itself"
