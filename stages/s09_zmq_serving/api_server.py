@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
@@ -115,6 +115,20 @@ def whole_choices(rids: list[str], pieces: list[OutputPiece], asked: bool) -> tu
     return [choices[rid] for rid in rids], (pieces[-1].prompt_tokens, pieces[-1].completion_tokens)
 
 
+@dataclass
+class AnswerPlan:
+    """How an API request is answered, beside the engine requests it becomes."""
+
+    id: str  # the answer's id (chatcmpl-..., cmpl-...)
+    kind: Literal["chat", "completion"]  # which of OpenAI's shapes it takes
+    model: str
+    n: int  # choices per prompt
+    stream: bool
+    include_usage: bool  # a stream ends with a usage chunk
+    arrived: float  # when it reached its route (loop time): the metrics time it from here
+    tool_reader: Callable[[], ToolCallParser] | None = None  # a chat with tools: each choice's text is read for calls
+
+
 class DebugFault(BaseModel):
     """POST /debug/fault: the next request ``process`` handles raises or stalls (tests only)."""
 
@@ -122,6 +136,10 @@ class DebugFault(BaseModel):
     process: Literal["api_server", "tokenizer", "scheduler", "detokenizer"]
     kind: Literal["raise", "stall"] = "raise"
     seconds: float = Field(0.0, ge=0, le=600)
+
+
+def include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
 class OpenAIServing:
@@ -174,12 +192,10 @@ class OpenAIServing:
                 shown = tool_choice.name or tool_choice.mode
                 raise InvalidRequest(f"tool_choice {shown!r}: {error.message}", param="tool_choice") from None
         req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, tools=tools, fill_max_new_tokens=fill)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         names = [tool["function"]["name"] for tool in tools or ()]
         reader = None if tools is None else (lambda: ToolCallParser(tool_choice, names))
-        return await self.generate(
-            request, arrived, req.rid, [req], body.n or 1, body.stream, include_usage, model, "chat", reader
-        )
+        plan = AnswerPlan(req.rid, "chat", model, body.n or 1, body.stream, include_usage(body), arrived, reader)
+        return await self.generate(request, plan, [req])
 
     async def completions(self, body: CompletionRequest, request: Request):
         arrived = asyncio.get_running_loop().time()
@@ -203,10 +219,8 @@ class OpenAIServing:
             )
             for i, (text, ids) in enumerate(prompts)
         ]
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self.generate(
-            request, arrived, rid, reqs, body.n or 1, body.stream, include_usage, model, "completion"
-        )
+        plan = AnswerPlan(rid, "completion", model, body.n or 1, body.stream, include_usage(body), arrived)
+        return await self.generate(request, plan, reqs)
 
     async def constrain(self, params, response_format: dict | None, regex: str | None):
         """response_format and regex need stage 11's engine (structured output): imported here,
@@ -231,28 +245,16 @@ class OpenAIServing:
             code="request_timeout",
         )
 
-    async def generate(
-        self,
-        request: Request,
-        arrived: float,
-        answer_id: str,
-        prompts: list[GenerateReqInput],
-        n: int,
-        stream: bool,
-        include_usage: bool,
-        model: str,
-        kind: str,
-        tool_reader: Callable[[], ToolCallParser] | None = None,
-    ):
-        """Send each of ``prompts`` on (as ``n`` engine requests, one per choice: choice i * n + j
-        is prompt i's j-th) and answer ``answer_id`` with what comes back: the whole answer, or a
-        stream. ``arrived``: when the request reached its route (loop time; the metrics time it from
-        there). ``tool_reader``: a chat with tools reads each choice's text with a parser of its own."""
+    async def generate(self, request: Request, plan: AnswerPlan, prompts: list[GenerateReqInput]):
+        """Send each of ``prompts`` on (as ``plan.n`` engine requests, one per choice: choice i * n + j
+        is prompt i's j-th) and answer as ``plan`` says with what comes back: the whole answer, or a
+        stream."""
         client = self.client
         assert client is not None, "the app has not started"
         asked = prompts[0].sampling_params.logprobs is not None
         timeout = self.server_args.request_timeout
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        n = plan.n
         if len(prompts) * n > self.max_in_flight:  # never servable: not a 503 to retry forever
             raise InvalidRequest(
                 f"{len(prompts)} prompt(s) x n={n} make {len(prompts) * n} engine requests, more than this server "
@@ -263,7 +265,7 @@ class OpenAIServing:
         reqs = [r for group in groups for r in group]
         rids = [r.rid for r in reqs]
         prompt_of = {r.rid: i for i, group in enumerate(groups) for r in group}  # usage counts each prompt once
-        queue = client.open(rids, self.max_in_flight, arrived=arrived)
+        queue = client.open(rids, self.max_in_flight, arrived=plan.arrived)
         for r in reqs:
             client.send(r)
         try:
@@ -271,13 +273,13 @@ class OpenAIServing:
             # long a prompt) then gets a proper 400, not a 200 stream that carries an error.
             first = await client.next_output(queue, request, deadline)
             if isinstance(first, ErrorOut):
-                raise rejection(first, kind)
-            if not stream:
+                raise rejection(first, plan.kind)
+            if not plan.stream:
                 pieces = [out async for out in client.outputs(rids, queue, first, request, deadline, prompt_of)]
                 choices, counts = whole_choices(rids, pieces, asked)
-                if tool_reader is not None:
-                    choices = [read_whole(choice, tool_reader()) for choice in choices]
-                return whole_answer(kind, answer_id, model, choices, counts)
+                if plan.tool_reader is not None:
+                    choices = [read_whole(choice, plan.tool_reader()) for choice in choices]
+                return whole_answer(plan.kind, plan.id, plan.model, choices, counts)
         except ClientGone:
             client.abort(rids)
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
@@ -289,26 +291,19 @@ class OpenAIServing:
             raise
         # During a stream Starlette itself notices a client that leaves: it cancels the body.
         outputs = client.outputs(rids, queue, first, None, deadline, prompt_of)
-        parsers = {rid: tool_reader() for rid in rids} if tool_reader is not None else None
-        events = self.events(answer_id, rids, outputs, include_usage, model, kind, asked, parsers)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(self.events(plan, rids, outputs, asked), media_type="text/event-stream")
 
     async def events(
-        self,
-        rid: str,
-        rids: list[str],
-        outputs: AsyncIterator[OutputPiece],
-        include_usage: bool,
-        model: str,
-        kind: str,
-        asked: bool,
-        parsers: dict[str, ToolCallParser] | None = None,
+        self, plan: AnswerPlan, rids: list[str], outputs: AsyncIterator[OutputPiece], asked: bool
     ) -> AsyncIterator[str]:
-        """A streamed answer's SSE lines, in OpenAI's chunks for ``kind`` ("chat" or "completion"),
+        """A streamed answer's SSE lines, in OpenAI's chunks for ``plan.kind`` ("chat" or "completion"),
         the pieces of its choices (engine requests ``rids``) in the order they come; ``asked``: the
-        request wants log-probabilities, each chunk carries its tokens' entries; ``parsers``: a chat
-        with tools, each choice's text is read for calls (its chunks carry content and tool_calls)."""
-        created = int(time.time())
+        request wants log-probabilities, each chunk carries its tokens' entries. A chat with tools
+        reads each choice's text for calls with a parser of its own (its chunks carry content and
+        tool_calls)."""
+        rid, kind, model, created = plan.id, plan.kind, plan.model, int(time.time())
+        reader = plan.tool_reader
+        parsers = {choice: reader() for choice in rids} if reader is not None else None
         # stream_chunks builds a piece's chunks before it reads the next piece, so the piece read
         # last says which choice the next chunk is, and which log-probability entries it carries
         # (a piece with entries but no text, a token whose text is empty, passes them on to that
@@ -340,7 +335,7 @@ class OpenAIServing:
             if kind == "chat":  # OpenAI's first chunk of each choice names the role
                 for index in range(len(rids)):
                     yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=index))
-            async for line in stream_chunks(noting(outputs), make_chunk, include_usage):
+            async for line in stream_chunks(noting(outputs), make_chunk, plan.include_usage):
                 yield line
         # Cut short (a worker's error, the server stopping, the time limit): a last event with
         # OpenAI's error body, and the stream still ends properly, so a client knows.
