@@ -22,11 +22,11 @@ def hf_model(path: str):
 
 
 @functools.lru_cache(maxsize=8)
-def engine_model(path: str):
+def engine_model(path: str, dtype: torch.dtype = torch.float32):
     """The engine's own model (from the tree under test's s00_foundation), loaded once."""
     from s00_foundation.loader import load_model
 
-    return load_model(path, device="cpu", dtype=torch.float32)
+    return load_model(path, device="cpu", dtype=dtype)
 
 
 @functools.lru_cache(maxsize=8)

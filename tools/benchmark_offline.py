@@ -566,6 +566,13 @@ def main() -> None:
         default="auto",
         help="stages 10-11: overlap scheduling (default: the engine's, on a CPU only with a core to spare)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the weights' and KV cache's dtype, the engine's and transformers' alike (default: float32 on a CPU, "
+        "bfloat16 on CUDA)",
+    )
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-ceiling", action="store_true")
     parser.add_argument(
@@ -613,7 +620,7 @@ def main() -> None:
     threads = set_torch_threads(args.threads)
     args.model_path = resolve_model_path(args.model or default_model_path())
     device = torch.device(args.device) if args.device else default_device()
-    dtype = default_dtype(device)
+    dtype = default_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
     # On CUDA, load_model takes cuDNN out of SDPA's kernels for the whole process (s00 device.py), so
     # transformers below runs its attention on the same kernels as the engine.
     model, tokenizer = load_model(args.model_path, device=device, dtype=dtype), Tokenizer(args.model_path)

@@ -1,14 +1,16 @@
 // What the CPU kernels (s00 cpu_ops.cpp, s08 decode_kernel.cpp and extend_kernel.cpp) share: arithmetic on 16 floats at a
 // time in the compiler's portable vector type, which GCC and clang lower to whatever the CPU has
-// (one AVX-512 register, two AVX2 ones, four NEON ones), an exp of 16 floats, and the split of a
-// call's work over torch's threads.
+// (one AVX-512 register, two AVX2 ones, four NEON ones), loads of 16 float32 or bfloat16 values as
+// 16 floats, an exp of 16 floats, and the split of a call's work over torch's threads.
 
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace cpu_kernel {
@@ -25,6 +27,53 @@ inline vec16 load16(const float* p) {
   return r;
 }
 inline void store16(float* p, vec16 x) { __builtin_memcpy(p, &x, sizeof x); }
+
+typedef uint16_t u16vec16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t u32vec16 __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+// A bfloat16 is the upper half of a float32's bits, so widening one is exact: the 16 bits shifted
+// into place (GCC lowers the 16 of them to one zero-extension and one shift). A KV pool in bfloat16
+// is half the bytes to stream, and the arithmetic stays in float32.
+inline vec16 load16(const c10::BFloat16* p) {
+  u16vec16 half;
+  __builtin_memcpy(&half, p, sizeof half);
+  const u32vec16 bits = __builtin_convertvector(half, u32vec16) << 16;
+  vec16 r;
+  __builtin_memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+// 16 floats to bfloat16, rounded to nearest (ties to even) as PyTorch rounds: add just under half
+// of the dropped part's last unit (one more when the kept part is odd), keep the upper 16 bits. A
+// NaN stays a NaN (the addition could carry it into infinity).
+inline u16vec16 bf16_bits(vec16 x) {
+  u32vec16 bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  const u32vec16 rounded = (bits + (0x7FFFu + ((bits >> 16) & 1u))) >> 16;
+  return __builtin_convertvector(x != x ? u32vec16{} + 0x7FC0u : rounded, u16vec16);
+}
+inline void store16(c10::BFloat16* p, vec16 x) {
+  const u16vec16 half = bf16_bits(x);
+  __builtin_memcpy(p, &half, sizeof half);
+}
+
+// x as a tensor of T holds it: unchanged for float, rounded to bfloat16 for c10::BFloat16. A loop
+// that stands for several PyTorch operators on T rounds where each of them would store its result.
+template <typename T>
+inline vec16 as_stored(vec16 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const u32vec16 bits = __builtin_convertvector(bf16_bits(x), u32vec16) << 16;
+    vec16 r;
+    __builtin_memcpy(&r, &bits, sizeof r);
+    return r;
+  }
+}
+template <typename T>
+inline float as_stored(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
 
 inline float hsum(vec16 x) {  // the sum of the 16 lanes, halving: 16 -> 8 -> 4 -> 1
   vec8 lo, hi;

@@ -13,8 +13,10 @@
 // prefetched while the current ones are scored, and the arithmetic runs 16 floats at a time in
 // the compiler's portable vector type (AVX-512, 2 x AVX2, 4 x NEON: whatever the CPU has).
 //
-// Registered as torch.ops.engine_cpu.decode_attention (s08_cuda_graph/decode_kernel.py builds
-// and loads it); float32 only.
+// The pool may hold float32 or bfloat16 (the loops are templates over the stored type T: a
+// bfloat16 key is widened to float32 as it is loaded, which is exact), the query and the output are
+// float32. Registered as torch.ops.engine_cpu.decode_attention (s08_cuda_graph/decode_kernel.py
+// builds and loads it).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,25 +37,28 @@ using namespace cpu_kernel;
 constexpr int64_t PREFETCH_AHEAD = 8;   // keys ahead, into L1: this KV head's part of the key's row
 constexpr int64_t PREFETCH_ROWS = 16;   // keys ahead, into L2: the whole row, for the other heads' passes
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   vec16 acc = vec16{};
   int64_t d = 0;
   for (; d + LANES <= n; d += LANES) acc += load16(a + d) * load16(b + d);
   float s = hsum(acc);
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d < n; ++d) s += a[d] * static_cast<float>(b[d]);
   return s;
 }
 
-inline void add_scaled(float* acc, float w, const float* x, int64_t n) {  // acc += w * x
+template <typename T>
+inline void add_scaled(float* acc, float w, const T* x, int64_t n) {  // acc += w * x
   int64_t d = 0;
   for (; d + LANES <= n; d += LANES) store16(acc + d, load16(acc + d) + w * load16(x + d));
-  for (; d < n; ++d) acc[d] += w * x[d];
+  for (; d < n; ++d) acc[d] += w * static_cast<float>(x[d]);
 }
 
 // The two passes below call this under their own `if (j + ahead < n)`: with the bounds checks moved
 // in here (one shared helper), GCC 12 emitted no prefetch at all and a step took 1.4x as long.
-inline void prefetch(const float* p, int64_t n, bool to_l1) {  // one request per 64-byte cache line
-  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) {
+template <typename T>
+inline void prefetch(const T* p, int64_t n, bool to_l1) {  // one request per 64-byte cache line
+  for (int64_t d = 0; d < n; d += 64 / sizeof(T)) {
     if (to_l1)
       __builtin_prefetch(p + d, 0, 3);
     else
@@ -78,7 +83,7 @@ float softmax_unnormalized(float* s, int64_t n) {
 }
 
 // A group of G query heads of one KV head of one request: q [G, D] and out [G, D] its query heads,
-// slots its n table entries, k / v the pool buffers offset to this KV head (rows `row` floats
+// slots its n table entries, k / v the pool buffers offset to this KV head (rows `row` values
 // apart), scores [G * n] scratch. A token's row holds every KV head's D floats side by side, and
 // the passes over one request's KV heads run one after another on a thread: so the pass over
 // head 0 (`first_pass`) also asks L2 for the whole row further ahead, and the later passes find
@@ -87,8 +92,8 @@ float softmax_unnormalized(float* s, int64_t n) {
 // stay in registers while the keys and values stream past. With G read at run time every head's
 // query and output went through memory for every key: 29% more time with the pool in cache, 5-7%
 // more from memory. C = 0: any D, the same loops with a scalar tail, q and out in memory.
-template <int64_t C, int64_t G>
-void attend(const float* q, const float* k, const float* v, const int64_t* slots, int64_t n, int64_t row,
+template <typename T, int64_t C, int64_t G>
+void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t row,
             int64_t D, float scale, float* scores, float* out, bool first_pass) {
   constexpr int64_t R = C > 0 ? C : 1;  // vectors per head held in registers (none used when C = 0)
   vec16 qv[G][R];
@@ -98,7 +103,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* slots
   for (int64_t j = 0; j < n; ++j) {
     if (first_pass && j + PREFETCH_ROWS < n) prefetch(k + slots[j + PREFETCH_ROWS] * row, row, false);
     if (j + PREFETCH_AHEAD < n) prefetch(k + slots[j + PREFETCH_AHEAD] * row, D, true);
-    const float* key = k + slots[j] * row;
+    const T* key = k + slots[j] * row;
     if constexpr (C > 0) {
       vec16 kv[C];
       for (int64_t c = 0; c < C; ++c) kv[c] = load16(key + c * LANES);
@@ -118,7 +123,7 @@ void attend(const float* q, const float* k, const float* v, const int64_t* slots
   for (int64_t j = 0; j < n; ++j) {
     if (first_pass && j + PREFETCH_ROWS < n) prefetch(v + slots[j + PREFETCH_ROWS] * row, row, false);
     if (j + PREFETCH_AHEAD < n) prefetch(v + slots[j + PREFETCH_AHEAD] * row, D, true);
-    const float* value = v + slots[j] * row;
+    const T* value = v + slots[j] * row;
     if constexpr (C > 0) {
       vec16 vv[C];
       for (int64_t c = 0; c < C; ++c) vv[c] = load16(value + c * LANES);
@@ -136,8 +141,9 @@ void attend(const float* q, const float* k, const float* v, const int64_t* slots
   }
 }
 
-typedef void (*AttendFn)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                         float, float*, float*, bool);
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*,
+                          float*, bool);
 
 // Heads per group: as many as keep a group's query (and, in the second pass, its sums) within
 // half of AVX-512's 32 vector registers: 4 heads of 64 floats, 2 of 128. A KV head with more query
@@ -145,56 +151,31 @@ typedef void (*AttendFn)(const float*, const float*, const float*, const int64_t
 // values in L2.
 inline int64_t heads_per_group(int64_t D) { return D == 128 ? 2 : 4; }
 
-template <int64_t C>
-AttendFn attend_for_heads(int64_t heads) {  // heads in 1..4
-  return heads == 1 ? attend<C, 1> : heads == 2 ? attend<C, 2> : heads == 3 ? attend<C, 3> : attend<C, 4>;
+template <typename T, int64_t C>
+AttendFn<T> attend_for_heads(int64_t heads) {  // heads in 1..4
+  return heads == 1   ? attend<T, C, 1>
+         : heads == 2 ? attend<T, C, 2>
+         : heads == 3 ? attend<T, C, 3>
+                      : attend<T, C, 4>;
 }
 
 // The loops for a group of `heads` query heads of size D: the common sizes unrolled (64, 128).
-AttendFn attend_for(int64_t D, int64_t heads) {
-  return D == 64 ? attend_for_heads<4>(heads) : D == 128 ? attend_for_heads<8>(heads) : attend_for_heads<0>(heads);
+template <typename T>
+AttendFn<T> attend_for(int64_t D, int64_t heads) {
+  return D == 64 ? attend_for_heads<T, 4>(heads) : D == 128 ? attend_for_heads<T, 8>(heads) : attend_for_heads<T, 0>(heads);
 }
 
-// q [bs, H, D]; k_buffer, v_buffer [num_slots, KVH, D]; kv_indices [bs, kv_len] (row i: request
-// i's slots, the first seq_lens[i] of them used); seq_lens [bs] int32 -> [bs, H, D].
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                            const at::Tensor& kv_indices, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
-              "decode_attention: q [bs, H, D], k_buffer and v_buffer [num_slots, KVH, D]");
-  for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
-                "decode_attention: q, k_buffer, v_buffer must be contiguous float32 CPU tensors");
-  const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), KVH = k_buffer.size(1), S = k_buffer.size(0);
-  TORCH_CHECK(k_buffer.size(2) == D && H % KVH == 0, "decode_attention: head_dim differs, or H is not a multiple of KVH");
-  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == bs && kv_indices.scalar_type() == at::kLong &&
-                  kv_indices.is_contiguous(),
-              "decode_attention: kv_indices must be a contiguous int64 [bs, kv_len]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == bs && seq_lens.scalar_type() == at::kInt &&
-                  seq_lens.is_contiguous(),
-              "decode_attention: seq_lens must be a contiguous int32 [bs]");
-  const int64_t G = H / KVH, L = kv_indices.size(1), row = KVH * D;
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* table = kv_indices.data_ptr<int64_t>();
-  for (int64_t i = 0; i < bs; ++i) {
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= L, "decode_attention: row ", i, " has seq_len ", lens[i],
-                ", outside 1..", L, " (kv_indices' width)");
-    for (int64_t j = 0; j < lens[i]; ++j)  // a slot outside the pool would read another process's memory
-      TORCH_CHECK(table[i * L + j] >= 0 && table[i * L + j] < S, "decode_attention: row ", i, " names slot ",
-                  table[i * L + j], ", outside the pool's ", S);
-  }
-  at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_buffer.data_ptr<float>();
-  const float* vp = v_buffer.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-
+// Every (request, KV head) over the threads; the arguments as decode_attention's, checked there.
+template <typename T>
+void attend_all(const float* qp, const T* kp, const T* vp, const int64_t* table, const int32_t* lens, float* op,
+                int64_t bs, int64_t H, int64_t KVH, int64_t D, int64_t L, float s) {
+  const int64_t G = H / KVH, row = KVH * D;
   // Work item w = (request w / KVH, KV head w % KVH) costs about its request's length.
   std::vector<int64_t> cost(bs * KVH + 1, 0);
   for (int64_t w = 0; w < bs * KVH; ++w) cost[w + 1] = cost[w] + lens[w / KVH];
-  const float s = static_cast<float>(scale);
   // Each KV head's G query heads in groups of `per`, the last group maybe smaller.
   const int64_t per = std::min(G, heads_per_group(D));
-  const AttendFn full = attend_for(D, per), last_group = attend_for(D, G % per ? G % per : per);
+  const AttendFn<T> full = attend_for<T>(D, per), last_group = attend_for<T>(D, G % per ? G % per : per);
   parallel_by_cost(cost, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t w = first; w < last; ++w) {
@@ -207,6 +188,46 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
       }
     }
   });
+}
+
+// q [bs, H, D]; k_buffer, v_buffer [num_slots, KVH, D]; kv_indices [bs, kv_len] (row i: request
+// i's slots, the first seq_lens[i] of them used); seq_lens [bs] int32 -> [bs, H, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                            const at::Tensor& kv_indices, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
+              "decode_attention: q [bs, H, D], k_buffer and v_buffer [num_slots, KVH, D]");
+  for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "decode_attention: q, k_buffer, v_buffer must be contiguous CPU tensors");
+  const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (bf16 || k_buffer.scalar_type() == at::kFloat) &&
+                  v_buffer.scalar_type() == k_buffer.scalar_type(),
+              "decode_attention: q must be float32, k_buffer and v_buffer both float32 or both bfloat16");
+  const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), KVH = k_buffer.size(1), S = k_buffer.size(0);
+  TORCH_CHECK(k_buffer.size(2) == D && H % KVH == 0, "decode_attention: head_dim differs, or H is not a multiple of KVH");
+  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == bs && kv_indices.scalar_type() == at::kLong &&
+                  kv_indices.is_contiguous(),
+              "decode_attention: kv_indices must be a contiguous int64 [bs, kv_len]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == bs && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous(),
+              "decode_attention: seq_lens must be a contiguous int32 [bs]");
+  const int64_t L = kv_indices.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* table = kv_indices.data_ptr<int64_t>();
+  for (int64_t i = 0; i < bs; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= L, "decode_attention: row ", i, " has seq_len ", lens[i],
+                ", outside 1..", L, " (kv_indices' width)");
+    for (int64_t j = 0; j < lens[i]; ++j)  // a slot outside the pool would read another process's memory
+      TORCH_CHECK(table[i * L + j] >= 0 && table[i * L + j] < S, "decode_attention: row ", i, " names slot ",
+                  table[i * L + j], ", outside the pool's ", S);
+  }
+  at::Tensor out = at::empty_like(q);
+  const float s = static_cast<float>(scale);
+  if (bf16)
+    attend_all(q.data_ptr<float>(), k_buffer.data_ptr<c10::BFloat16>(), v_buffer.data_ptr<c10::BFloat16>(), table,
+               lens, out.data_ptr<float>(), bs, H, KVH, D, L, s);
+  else
+    attend_all(q.data_ptr<float>(), k_buffer.data_ptr<float>(), v_buffer.data_ptr<float>(), table, lens,
+               out.data_ptr<float>(), bs, H, KVH, D, L, s);
   return out;
 }
 

@@ -13,7 +13,7 @@ fused steps and PyTorch's alternating in one process, the best of six, load 1.8 
 the host): a decode pass of 16 rows 95.8 -> 84.2 ms, of 64 rows 194.5 -> 172.8, of 128 rows
 302.5 -> 235.3; a 512-token prefill 680.1 -> 570.2 ms.
 
-``applies(x)`` says when a step takes the fused loop: ``x`` is a float32 CPU tensor, no autograd
+``applies(x)`` says when a step takes the fused loop: ``x`` is a float32 or bfloat16 CPU tensor, no autograd
 is recording (the model runs under ``torch.inference_mode``), no ``torch.compile`` is tracing
 (Inductor fuses these steps itself), and the loops are built here (s00 cpu_extension.py: the
 first call compiles them, seconds, cached; no compiler or ``ENGINE_CPU_KERNELS=off``: PyTorch's
@@ -32,6 +32,7 @@ from .cpu_extension import build
 
 NAME = "engine_cpu_ops"
 SOURCES = [Path(__file__).with_name("cpu_ops.cpp")]
+DTYPES = (torch.float32, torch.bfloat16)  # what the loops take (in bfloat16 they round as PyTorch's operators do)
 
 
 @functools.cache  # once per process: the library, once loaded, stays registered with torch
@@ -46,7 +47,7 @@ def applies(x: torch.Tensor) -> bool:
     """A step on ``x`` runs the fused loop (see above); the cheap checks first, the build last."""
     return (
         x.is_cpu
-        and x.dtype == torch.float32
+        and x.dtype in DTYPES
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and load()[0]

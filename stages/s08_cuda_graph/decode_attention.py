@@ -99,21 +99,21 @@ def eager_decode_path(pool: torch.Tensor) -> tuple[str, str]:
     """The fastest decode path for a pool buffer's device and dtype, and why: (path, reason)."""
     if pool.device.type != "cpu":
         return "gathered", "on a GPU the gather streams at its memory's speed"
-    if pool.dtype == torch.float32:
+    if pool.dtype in decode_kernel.POOL_DTYPES:
         kernel = decode_kernel.load()
         if kernel.op is not None:
             return "fused", f"decode_kernel.cpp, built with {kernel.how}"
-        return "table", f"no fused kernel: {kernel.how}"
-    if pool.dtype == torch.float64:
-        return "table", "the fused kernel is float32 only"
-    # torch's sampled_addmm has no bfloat16 CPU kernel, and the fused one is float32 only
-    return "gathered", f"the pool is {str(pool.dtype).removeprefix('torch.')}"
+        if pool.dtype == torch.float32:
+            return "table", f"no fused kernel: {kernel.how}"
+        # torch's sampled_addmm, which the table path needs, has no bfloat16 CPU kernel
+        return "gathered", f"no fused kernel ({kernel.how}), and the pool is bfloat16"
+    return "table", f"the fused kernel takes a float32 or bfloat16 pool, not {str(pool.dtype).removeprefix('torch.')}"
 
 
 def eager_extend_path(pool: torch.Tensor) -> tuple[str, str]:
     """How extend rows attend for a pool buffer's device and dtype, and why: ("fused", ...) on a
     CPU where the kernel is built, else ("per-request", ...), stage 4's gather + SDPA per request."""
-    if pool.device.type == "cpu" and pool.dtype == torch.float32:
+    if pool.device.type == "cpu" and pool.dtype in decode_kernel.POOL_DTYPES:
         kernel = decode_kernel.load()
         if kernel.extend_op is not None:
             return "fused", f"extend_kernel.cpp, built with {kernel.how}"
@@ -242,8 +242,8 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         kernel = decode_kernel.load().extend_op
         assert kernel is not None, "the fused extend path is chosen only when its kernel loaded"
-        return kernel(
-            q.contiguous(),
+        out = kernel(
+            q.float().contiguous(),  # the kernel computes in float32, whatever the pool holds
             pool.get_key_buffer(layer_id),
             pool.get_value_buffer(layer_id),
             self.req_to_token_pool.req_to_token,
@@ -252,6 +252,7 @@ class DecodeAttentionBackend(PagedAttentionBackend):
             meta.extend_lens,
             q.shape[-1] ** -0.5,
         )
+        return out.to(q.dtype)
 
     def forward_decode(self, q, k, v, layer_id: int, out_cache_loc: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         """One new token per row: q [bs, H, D], k, v [bs, KVH, D] -> [bs, H, D]: write the new K/V,
@@ -267,7 +268,10 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         if meta.path == "fused":
             kernel = decode_kernel.load().op
             assert kernel is not None, "the fused path is chosen only when its kernel loaded"
-            return kernel(q.contiguous(), k_buffer, v_buffer, meta.kv_indices, meta.seq_lens, q.shape[-1] ** -0.5)
+            out = kernel(
+                q.float().contiguous(), k_buffer, v_buffer, meta.kv_indices, meta.seq_lens, q.shape[-1] ** -0.5
+            )
+            return out.to(q.dtype)  # (float32: no copy, the kernel's own tensor)
         if meta.path != "table":
             raise ValueError(f"decode path {meta.path!r}: expected one of {DECODE_PATHS}")
         if meta.table is None:
