@@ -10,6 +10,7 @@ prefill leaves them; the time is the median of ``--repeats`` calls of the backen
     python tools/benchmark_extend.py                                 # SmolLM2-135M's heads
     python tools/benchmark_extend.py --heads 16,8,128                # Qwen3-0.6B's
     python tools/benchmark_extend.py --chunks 512 --prefixes 0,512,1024,2048 --threads 2
+    python tools/benchmark_extend.py --dtype bfloat16                # a bfloat16 pool, q, k and v
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def median_ms(backend, batch, qkv, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def point(heads: int, kv_heads: int, head_dim: int, prefix: int, chunk: int, repeats: int) -> tuple[float, float]:
+def point(
+    heads: int, kv_heads: int, head_dim: int, prefix: int, chunk: int, repeats: int, dtype: torch.dtype
+) -> tuple[float, float]:
     """(fused ms, stage 4 ms) for one request of ``chunk`` new tokens after ``prefix`` cached ones."""
     g = torch.Generator().manual_seed(0)
     n = prefix + chunk
-    kv = TokenToKVPool(2 * n, 1, num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim)
+    kv = TokenToKVPool(2 * n, 1, num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     for buffer in (kv.k_buffer[0], kv.v_buffer[0]):
         buffer.copy_(torch.randn(buffer.shape, generator=g))
     table = ReqToTokenPool(1, n)
@@ -64,9 +67,9 @@ def point(heads: int, kv_heads: int, head_dim: int, prefix: int, chunk: int, rep
         [[1] * chunk], [prefix], None, req_pool_indices=[0], out_cache_loc=table.req_to_token[0, prefix:].clone()
     )
     qkv = (
-        torch.randn(chunk, heads, head_dim, generator=g),
-        torch.randn(chunk, kv_heads, head_dim, generator=g),
-        torch.randn(chunk, kv_heads, head_dim, generator=g),
+        torch.randn(chunk, heads, head_dim, generator=g).to(dtype),
+        torch.randn(chunk, kv_heads, head_dim, generator=g).to(dtype),
+        torch.randn(chunk, kv_heads, head_dim, generator=g).to(dtype),
     )
     fused = DecodeAttentionBackend(table, kv)
     if fused.extend_path != "fused":
@@ -81,18 +84,22 @@ def main() -> None:
     parser.add_argument("--prefixes", default="0,512,1024", help="cached tokens before them")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per point (the median is reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the pool's and q/k/v's")
     args = parser.parse_args()
     heads, kv_heads, head_dim = ints(args.heads)
     set_torch_threads(args.threads)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{describe('cpu')}, torch {torch.__version__}, load average {load}")
-    print(f"{heads} query heads over {kv_heads} KV heads of {head_dim}, float32, one layer, median of {args.repeats}")
+    dtype = getattr(torch, args.dtype)
+    print(
+        f"{heads} query heads over {kv_heads} KV heads of {head_dim}, {args.dtype}, one layer, median of {args.repeats}"
+    )
     print(
         f"{'prefix':>7} {'chunk':>6} {'fused':>10} {'stage 4':>10} {'fused GF/s':>11} {'stage 4 GF/s':>13} {'ratio':>6}"
     )
     for chunk in ints(args.chunks):
         for prefix in ints(args.prefixes):
-            fused, paged = point(heads, kv_heads, head_dim, prefix, chunk, args.repeats)
+            fused, paged = point(heads, kv_heads, head_dim, prefix, chunk, args.repeats, dtype)
             flops = 4 * head_dim * heads * (chunk * prefix + chunk * (chunk + 1) / 2)
             print(
                 f"{prefix:7d} {chunk:6d} {fused:8.2f} ms {paged:7.2f} ms {flops / fused / 1e6:11.0f} "

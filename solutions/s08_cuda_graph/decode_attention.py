@@ -99,26 +99,33 @@ def eager_decode_path(pool: torch.Tensor) -> tuple[str, str]:
     """The fastest decode path for a pool buffer's device and dtype, and why: (path, reason)."""
     if pool.device.type != "cpu":
         return "gathered", "on a GPU the gather streams at its memory's speed"
-    if pool.dtype in decode_kernel.POOL_DTYPES:
-        kernel = decode_kernel.load()
-        if kernel.op is not None:
-            return "fused", f"decode_kernel.cpp, built with {kernel.how}"
-        if pool.dtype == torch.float32:
-            return "table", f"no fused kernel: {kernel.how}"
-        # torch's sampled_addmm, which the table path needs, has no bfloat16 CPU kernel
-        return "gathered", f"no fused kernel ({kernel.how}), and the pool is bfloat16"
-    return "table", f"the fused kernel takes a float32 or bfloat16 pool, not {str(pool.dtype).removeprefix('torch.')}"
+    dtype = str(pool.dtype).removeprefix("torch.")
+    kernel = decode_kernel.load() if pool.dtype in decode_kernel.POOL_DTYPES else None
+    if kernel is not None and kernel.op is not None:
+        return "fused", f"decode_kernel.cpp, built with {kernel.how}"
+    why = f"no fused kernel: {kernel.how}" if kernel is not None else f"the fused kernel does not read {dtype}"
+    if pool.dtype in (torch.float32, torch.float64):
+        return "table", why
+    return "gathered", f"{why} (and torch's sampled_addmm, the table's, has no {dtype} CPU kernel)"
 
 
 def eager_extend_path(pool: torch.Tensor) -> tuple[str, str]:
     """How extend rows attend for a pool buffer's device and dtype, and why: ("fused", ...) on a
-    CPU where the kernel is built, else ("per-request", ...), stage 4's gather + SDPA per request."""
-    if pool.device.type == "cpu" and pool.dtype in decode_kernel.POOL_DTYPES:
-        kernel = decode_kernel.load()
-        if kernel.extend_op is not None:
-            return "fused", f"extend_kernel.cpp, built with {kernel.how}"
-        return "per-request", f"no fused kernel: {kernel.how}"
-    return "per-request", f"the pool is {str(pool.dtype).removeprefix('torch.')} on {pool.device.type}"
+    CPU where the kernel is built, else ("per-request", ...), stage 4's gather + SDPA per request.
+
+    A bfloat16 pool takes stage 4's path: there PyTorch's SDPA (its CPU flash attention, whose
+    products run in bfloat16, on AMX where the CPU has it) beat the kernel, whose arithmetic is
+    float32, 1.5-2.4x at 128 new tokens and more (``tools/benchmark_extend.py --dtype bfloat16``;
+    the s08 lesson has the figures). A decode reads every key once and is bound by memory, not by
+    arithmetic, so the decode kernel reads bfloat16 too."""
+    if pool.device.type != "cpu" or pool.dtype != torch.float32:
+        dtype = str(pool.dtype).removeprefix("torch.")
+        why = "PyTorch's SDPA multiplies bfloat16 faster" if pool.dtype == torch.bfloat16 else "the kernel is float32"
+        return "per-request", f"the pool is {dtype} on {pool.device.type} ({why})"
+    kernel = decode_kernel.load()
+    if kernel.extend_op is not None:
+        return "fused", f"extend_kernel.cpp, built with {kernel.how}"
+    return "per-request", f"no fused kernel: {kernel.how}"
 
 
 class DecodeAttentionBackend(PagedAttentionBackend):
@@ -244,8 +251,8 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         kernel = decode_kernel.load().extend_op
         assert kernel is not None, "the fused extend path is chosen only when its kernel loaded"
-        out = kernel(
-            q.float().contiguous(),  # the kernel computes in float32, whatever the pool holds
+        return kernel(
+            q.contiguous(),
             pool.get_key_buffer(layer_id),
             pool.get_value_buffer(layer_id),
             self.req_to_token_pool.req_to_token,
@@ -254,7 +261,6 @@ class DecodeAttentionBackend(PagedAttentionBackend):
             meta.extend_lens,
             q.shape[-1] ** -0.5,
         )
-        return out.to(q.dtype)
 
     def forward_decode(self, q, k, v, layer_id: int, out_cache_loc: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
         """One new token per row: q [bs, H, D], k, v [bs, KVH, D] -> [bs, H, D]: write the new K/V,

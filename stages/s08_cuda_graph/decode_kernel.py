@@ -48,8 +48,8 @@ from s00_foundation.cpu_extension import build, switched_off
 # cpu_extension.py (which also says where the compiler is missing, and ENGINE_CPU_KERNELS=off).
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_kernel.cpp", "extend_kernel.cpp")]
 NAME = "engine_cpu_decode_kernel"
-# The pools the kernels read (a bfloat16 key is widened to float32 as it is loaded); the query and
-# the output are float32 whatever the pool holds.
+# The pools the decode kernel reads (a bfloat16 key is widened to float32 as it is loaded; the
+# query and the output are float32 whatever the pool holds). The extend kernel reads float32 only.
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 OFF = "ENGINE_DECODE_KERNEL"  # set to "off" to never build or use these two (ENGINE_CPU_KERNELS: any)
 

@@ -16,10 +16,8 @@
 // only Q (once per task) and the output (at its end) change layout. Both products run in register
 // tiles of 8 keys (or 8 output floats) x 3 vectors of rows, 24 sums held in registers.
 //
-// The pool may hold float32 or bfloat16 (a template over the stored type T; a bfloat16 key or value
-// is widened to float32 exactly as it is read), the query and the output are float32. Registered
-// as torch.ops.engine_cpu.extend_attention (s08_cuda_graph/decode_kernel.py builds and loads it
-// with the decode kernel).
+// Registered as torch.ops.engine_cpu.extend_attention (s08_cuda_graph/decode_kernel.py builds and
+// loads it with the decode kernel); float32 only.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_kernel.h"
@@ -46,14 +43,14 @@ constexpr int64_t TV = 3;             // vectors of 16 rows per register tile (8
 
 // S^T[j][rows] for KT keys and V vectors of rows, the sums over d in registers. qt: Q^T at the
 // first row, rp floats per d; keys: KT key rows (this KV head's D floats each).
-template <typename T, int V>
-inline void score_tile(const float* qt, int64_t rp, const T* const* keys, int64_t D, float* st) {
+template <int V>
+inline void score_tile(const float* qt, int64_t rp, const float* const* keys, int64_t D, float* st) {
   vec16 acc[KT][V] = {};
   for (int64_t d = 0; d < D; ++d) {
     vec16 qv[V];
     for (int v = 0; v < V; ++v) qv[v] = load16(qt + d * rp + v * LANES);
     for (int64_t j = 0; j < KT; ++j) {
-      const float kd = static_cast<float>(keys[j][d]);
+      const float kd = keys[j][d];
       for (int v = 0; v < V; ++v) acc[j][v] += qv[v] * kd;
     }
   }
@@ -62,8 +59,8 @@ inline void score_tile(const float* qt, int64_t rp, const T* const* keys, int64_
 }
 
 // O^T[d0 : d0 + N][rows] = O^T * alpha + sum over the block's nk keys of V[j][d] * P^T[j][rows].
-template <typename T, int V, int N>
-inline void value_tile(const float* pt, int64_t rp, const T* const* values, int64_t nk, int64_t d0,
+template <int V, int N>
+inline void value_tile(const float* pt, int64_t rp, const float* const* values, int64_t nk, int64_t d0,
                        const vec16* alpha, float* ot) {
   vec16 acc[N][V];
   for (int64_t d = 0; d < N; ++d)
@@ -71,11 +68,9 @@ inline void value_tile(const float* pt, int64_t rp, const T* const* values, int6
   for (int64_t j = 0; j < nk; ++j) {
     vec16 p[V];
     for (int v = 0; v < V; ++v) p[v] = load16(pt + j * rp + v * LANES);
-    const T* value = values[j] + d0;
-    for (int64_t d = 0; d < N; ++d) {
-      const float vd = static_cast<float>(value[d]);
-      for (int v = 0; v < V; ++v) acc[d][v] += p[v] * vd;
-    }
+    const float* value = values[j] + d0;
+    for (int64_t d = 0; d < N; ++d)
+      for (int v = 0; v < V; ++v) acc[d][v] += p[v] * value[d];
   }
   for (int64_t d = 0; d < N; ++d)
     for (int v = 0; v < V; ++v) store16(ot + d * rp + v * LANES, acc[d][v]);
@@ -86,29 +81,24 @@ struct Task {
 };
 
 // One thread's buffers, sized for the largest task.
-template <typename T>
 struct Scratch {
-  std::vector<float> qt, ot, st, inv;
-  std::vector<T> zeros;
+  std::vector<float> qt, ot, st, zeros, inv;
   std::vector<vec16> m, l, alpha;
   std::vector<int32_t> pos;  // each row's position (its token's)
-  std::vector<const T*> keys, values;
+  std::vector<const float*> keys, values;
 };
 
 // Everything one call shares across its tasks.
-template <typename T>
 struct Call {
-  const float* q;
-  const T *k, *v;
+  const float *q, *k, *v;
   float* out;
   const int64_t* table;      // req_to_token, width W
   const int64_t *rows, *prefix, *qstart;
-  int64_t W, H, G, D, row;   // row: values per slot (KVH * D)
+  int64_t W, H, G, D, row;   // row: floats per slot (KVH * D)
   float scale;
 };
 
-template <typename T>
-void run_task(const Call<T>& c, const Task& t, Scratch<T>& s) {
+void run_task(const Call& c, const Task& t, Scratch& s) {
   const int64_t R = t.nq * c.G, nrv = (R + LANES - 1) / LANES, rp = nrv * LANES, D = c.D;
   const int64_t first = c.prefix[t.req] + t.q0;  // position of the block's first token
   const int64_t kend = first + t.nq;             // keys 0 .. kend - 1 are seen by some row
@@ -136,12 +126,10 @@ void run_task(const Call<T>& c, const Task& t, Scratch<T>& s) {
     for (int64_t jt = 0; jt < tiles; ++jt)
       for (int64_t v = 0; v < nrv; v += TV) {
         const float* qt = s.qt.data() + v * LANES;
-        const T* const* keys = &s.keys[jt * KT];
+        const float* const* keys = &s.keys[jt * KT];
         float* st = &s.st[jt * KT * rp + v * LANES];
         const int64_t left = nrv - v;
-        left >= 3   ? score_tile<T, 3>(qt, rp, keys, D, st)
-        : left == 2 ? score_tile<T, 2>(qt, rp, keys, D, st)
-                    : score_tile<T, 1>(qt, rp, keys, D, st);
+        left >= 3 ? score_tile<3>(qt, rp, keys, D, st) : left == 2 ? score_tile<2>(qt, rp, keys, D, st) : score_tile<1>(qt, rp, keys, D, st);
       }
     const bool masked = j0 + nk - 1 > first;  // some key here comes after some row's position
     for (int64_t v = 0; v < nrv; ++v) {
@@ -172,19 +160,19 @@ void run_task(const Call<T>& c, const Task& t, Scratch<T>& s) {
     for (int64_t v = 0; v < nrv; v += TV) {
       const int64_t left = nrv - v;
       const float* pt = &s.st[v * LANES];
-      const T* const* values = s.values.data();
+      const float* const* values = s.values.data();
       int64_t d = 0;
       for (; d + DT <= D; d += DT) {
         float* ot = &s.ot[d * rp + v * LANES];
-        left >= 3   ? value_tile<T, 3, DT>(pt, rp, values, nk, d, &s.alpha[v], ot)
-        : left == 2 ? value_tile<T, 2, DT>(pt, rp, values, nk, d, &s.alpha[v], ot)
-                    : value_tile<T, 1, DT>(pt, rp, values, nk, d, &s.alpha[v], ot);
+        left >= 3   ? value_tile<3, DT>(pt, rp, values, nk, d, &s.alpha[v], ot)
+        : left == 2 ? value_tile<2, DT>(pt, rp, values, nk, d, &s.alpha[v], ot)
+                    : value_tile<1, DT>(pt, rp, values, nk, d, &s.alpha[v], ot);
       }
       for (; d < D; ++d) {
         float* ot = &s.ot[d * rp + v * LANES];
-        left >= 3   ? value_tile<T, 3, 1>(pt, rp, values, nk, d, &s.alpha[v], ot)
-        : left == 2 ? value_tile<T, 2, 1>(pt, rp, values, nk, d, &s.alpha[v], ot)
-                    : value_tile<T, 1, 1>(pt, rp, values, nk, d, &s.alpha[v], ot);
+        left >= 3   ? value_tile<3, 1>(pt, rp, values, nk, d, &s.alpha[v], ot)
+        : left == 2 ? value_tile<2, 1>(pt, rp, values, nk, d, &s.alpha[v], ot)
+                    : value_tile<1, 1>(pt, rp, values, nk, d, &s.alpha[v], ot);
       }
     }
   }
@@ -206,11 +194,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
               "extend_attention: q [T, H, D], k_buffer and v_buffer [num_slots, KVH, D]");
   for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
-    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "extend_attention: q, k_buffer, v_buffer must be contiguous CPU tensors");
-  const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (bf16 || k_buffer.scalar_type() == at::kFloat) &&
-                  v_buffer.scalar_type() == k_buffer.scalar_type(),
-              "extend_attention: q must be float32, k_buffer and v_buffer both float32 or both bfloat16");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "extend_attention: q, k_buffer, v_buffer must be contiguous float32 CPU tensors");
   for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &prefix_lens, &extend_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "extend_attention: req_to_token, req_pool_indices, prefix_lens, extend_lens must be contiguous int64");
@@ -250,22 +235,15 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
         cost.push_back(cost.back() + nq * (prefix[i] + q0 + nq));
       }
   at::Tensor out = at::empty_like(q);
-  const auto run = [&](const auto* k, const auto* v) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
-    const Call<T> call{q.data_ptr<float>(), k, v, out.data_ptr<float>(), table, rows, prefix, qstart.data(),
-                       W, H, G, D, KVH * D, static_cast<float>(scale)};
-    parallel_by_cost(cost, [&](int64_t first, int64_t last) {  // later blocks of a prompt see more keys
-      Scratch<T> s;
-      s.zeros.assign(D, T(0.f));
-      s.keys.resize(BK);
-      s.values.resize(BK);
-      for (int64_t w = first; w < last; ++w) run_task(call, tasks[w], s);
-    });
-  };
-  if (bf16)
-    run(k_buffer.data_ptr<c10::BFloat16>(), v_buffer.data_ptr<c10::BFloat16>());
-  else
-    run(k_buffer.data_ptr<float>(), v_buffer.data_ptr<float>());
+  const Call call{q.data_ptr<float>(), k_buffer.data_ptr<float>(), v_buffer.data_ptr<float>(), out.data_ptr<float>(),
+                  table, rows, prefix, qstart.data(), W, H, G, D, KVH * D, static_cast<float>(scale)};
+  parallel_by_cost(cost, [&](int64_t first, int64_t last) {  // later blocks of a prompt see more keys
+    Scratch s;
+    s.zeros.assign(D, 0.f);
+    s.keys.resize(BK);
+    s.values.resize(BK);
+    for (int64_t w = first; w < last; ++w) run_task(call, tasks[w], s);
+  });
   return out;
 }
 

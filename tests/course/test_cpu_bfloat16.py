@@ -1,0 +1,92 @@
+"""A bfloat16 model on a CPU (not graded: the kernels and their choice are provided code).
+
+On a CPU with bfloat16 matrix units (AMX, AVX512-BF16) a bfloat16 model's products run several
+times faster than float32's, and its KV pool is half the bytes. Checked here: the fused decode
+kernel reads a bfloat16 pool as the float32 values it holds (each key widened exactly as it is
+loaded), for grouped-query heads and head sizes it unrolls and odd ones; a bfloat16 pool's decodes
+take that kernel and its extends stage 4's SDPA (faster there in bfloat16); and the whole model in
+bfloat16 through stage 8's CPU paths is as close to the float32 model's logits as stage 4's
+bfloat16 passes are. Where no C++ compiler is here the tests skip and say so."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stage08"))
+from graph_helpers import MAX_CONTEXT, POOL_SIZE, built_kernel, prompts_of, run_pass, start  # noqa: E402
+from reference import engine_model  # noqa: E402
+from s04_paged_kv_pool.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from s04_paged_kv_pool.model_runner import ModelRunner  # noqa: E402
+from s08_cuda_graph.decode_attention import DecodeAttentionBackend  # noqa: E402
+from s08_cuda_graph.model_runner import GraphModelRunner  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return built_kernel()
+
+
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)])
+def test_the_decode_kernel_reads_a_bfloat16_pool_as_its_float32_values(kernel, num_heads, num_kv_heads, head_dim):
+    g = torch.Generator().manual_seed(0)
+    lengths = [37, 1, 12, 70, 5]
+    slots = 1 + sum(lengths)
+    k16 = torch.randn(slots, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v16 = torch.randn(slots, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    order = (torch.randperm(slots - 1, generator=g) + 1).tolist()
+    kv_indices = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    for row, n in enumerate(lengths):
+        kv_indices[row, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=g)
+    got = kernel.op(q, k16, v16, kv_indices, seq_lens, head_dim**-0.5)
+    expected = kernel.op(q, k16.float(), v16.float(), kv_indices, seq_lens, head_dim**-0.5)
+    worst = (got - expected).abs().max().item()
+    assert torch.allclose(got, expected, atol=1e-6, rtol=1e-6), (
+        f"{num_heads} heads over {num_kv_heads} of {head_dim}: the kernel on a bfloat16 pool differs by up to "
+        f"{worst:.3g} from the same values in float32 (a bfloat16 widens to float32 exactly: its bits are the "
+        "upper half)"
+    )
+
+
+def test_a_bfloat16_pool_decodes_by_the_kernel_and_extends_by_sdpa(kernel):
+    table = ReqToTokenPool(2, 16)
+    pool = TokenToKVPool(8, 1, num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    backend = DecodeAttentionBackend(table, pool)
+    assert backend.decode_path == "fused", backend.decode_path_reason
+    assert backend.extend_path == "per-request" and "bfloat16" in backend.extend_path_reason, (
+        backend.extend_path,
+        backend.extend_path_reason,
+    )
+
+
+def test_a_bfloat16_model_on_stage8s_cpu_paths_is_as_close_to_float32_as_stage4(kernel, tiny_model_dir):
+    """Prefill, decodes and a MIXED pass of the whole model in bfloat16 (decodes by the fused
+    kernel, norms, SiLU and RoPE by s00's loops): no further from the float32 model's logits than
+    stage 4's bfloat16 passes, on every family."""
+    shape = dict(pool_size=POOL_SIZE, max_running_requests=16, max_context_len=MAX_CONTEXT, attention_backend="torch")
+    path = str(tiny_model_dir)
+    fused = GraphModelRunner(engine_model(path, torch.bfloat16), disable_cuda_graph=True, **shape)
+    assert fused.attn_backend.decode_path == "fused", fused.attn_backend.decode_path_reason
+    stage4, truth = ModelRunner(engine_model(path, torch.bfloat16), **shape), ModelRunner(engine_model(path), **shape)
+    prompts = prompts_of(7)
+    reqs = {name: start(runner, prompts) for name, runner in (("fused", fused), ("stage4", stage4), ("truth", truth))}
+    schedule = [range(5), range(5), [0, 1, 2, 3, 5, 6], [0, 1, 2, 3, 5, 6], [1, 5, 6]]
+    for step, rows in enumerate(schedule):
+        _, expected = run_pass(truth, [reqs["truth"][i] for i in rows])
+        tokens = expected.argmax(-1).tolist()  # every runner goes on with the float32 model's tokens
+        errors = {}
+        for name, runner in (("fused", fused), ("stage4", stage4)):
+            _, got = run_pass(runner, [reqs[name][i] for i in rows], tokens)
+            errors[name] = (got.float() - expected).abs().max().item()
+        # (a bfloat16 misread or a dtype mixed up is off by the logits' own size, ~10)
+        assert errors["fused"] <= 2 * errors["stage4"] + 0.1, (
+            f"{tiny_model_dir.name}, step {step}: the bfloat16 model on stage 8's CPU paths is "
+            f"{errors['fused']:.3g} from the float32 logits, stage 4's bfloat16 passes {errors['stage4']:.3g}"
+        )
