@@ -87,11 +87,12 @@ class GraphModelRunner(ModelRunner):
             "fused": "by the fused CPU kernel, no gather",
         }[self.attn_backend.decode_path]
         backend = self.attn_backend
-        extends = (
-            f"; extends by the fused CPU kernel ({backend.extend_path_reason})"
-            if backend.extend_path == "fused"
-            else ""
-        )
+        if backend.extend_path == "fused":
+            extends = f"; extends by the fused CPU kernel ({backend.extend_path_reason})"
+        elif self.device.type == "cpu":
+            extends = f"; extends by SDPA, one call per request ({backend.extend_path_reason})"
+        else:
+            extends = ""
         return f"{super().attention_backend_name}; decodes batched, {how} ({backend.decode_path_reason}){extends}"
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -19,6 +19,10 @@ is recording (the model runs under ``torch.inference_mode``), no ``torch.compile
 first call compiles them, seconds, cached; no compiler or ``ENGINE_CPU_KERNELS=off``: PyTorch's
 operators, the same results to float rounding). RoPE's loop rounds exactly as PyTorch's operators
 do; the norm's sum and SiLU's exp differ in the last bits.
+
+In bfloat16 the loops compute in float32 and round where PyTorch's bfloat16 operators store a
+result (the normalised x before the weight, ``silu(gate)`` before the product, each RoPE product
+before the sum), so they give the bits PyTorch's chain gives (tests/foundation/test_cpu_ops.py).
 """
 
 from __future__ import annotations

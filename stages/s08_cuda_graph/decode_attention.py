@@ -118,10 +118,12 @@ def eager_extend_path(pool: torch.Tensor) -> tuple[str, str]:
     float32, 1.5-2.4x at 128 new tokens and more (``tools/benchmark_extend.py --dtype bfloat16``;
     the s08 lesson has the figures). A decode reads every key once and is bound by memory, not by
     arithmetic, so the decode kernel reads bfloat16 too."""
-    if pool.device.type != "cpu" or pool.dtype != torch.float32:
-        dtype = str(pool.dtype).removeprefix("torch.")
-        why = "PyTorch's SDPA multiplies bfloat16 faster" if pool.dtype == torch.bfloat16 else "the kernel is float32"
-        return "per-request", f"the pool is {dtype} on {pool.device.type} ({why})"
+    if pool.device.type != "cpu":
+        return "per-request", f"the fused extend kernel is a CPU one, the pool is on {pool.device.type}"
+    if pool.dtype == torch.bfloat16:
+        return "per-request", "the pool is bfloat16, which PyTorch's SDPA multiplies faster than the kernel's float32"
+    if pool.dtype != torch.float32:
+        return "per-request", f"the pool is {str(pool.dtype).removeprefix('torch.')}; the extend kernel is float32"
     kernel = decode_kernel.load()
     if kernel.extend_op is not None:
         return "fused", f"extend_kernel.cpp, built with {kernel.how}"

@@ -24,9 +24,13 @@ busy hour of the shared host); 1.06-1.23x the memory floor where the table path 
 the kernel's first version took 12.6 s of decode attention against 17.6 s through the table, of
 55.8 and 60.9 s in all; reading every key and value once would take 7.7 s.
 
+The decode kernel reads a float32 or a bfloat16 pool (``POOL_DTYPES``): a bfloat16 key or value is
+widened to float32 as it is loaded (exact), the arithmetic is float32 either way, and a bfloat16
+pool is half the bytes a step streams.
+
 The same library holds the prefill's attention (extend_kernel.cpp, ``torch.ops.engine_cpu.
-extend_attention``): a request's new tokens against its whole context, read in place through the
-table, causal, flash-attention style (decode_attention.py's ``forward_extend`` calls it).
+extend_attention``, float32 only): a request's new tokens against its whole context, read in place
+through the table, causal, flash-attention style (decode_attention.py's ``forward_extend`` calls it).
 
 When there is no compiler (or ``ENGINE_DECODE_KERNEL=off`` or ``ENGINE_CPU_KERNELS=off`` is set),
 ``load()`` says why and the backend reads through the table instead, and extends take stage 4's
