@@ -115,9 +115,10 @@ def eager_extend_path(pool: torch.Tensor) -> tuple[str, str]:
 
     A bfloat16 pool takes stage 4's path: there PyTorch's SDPA (its CPU flash attention, whose
     products run in bfloat16, on AMX where the CPU has it) beat the kernel, whose arithmetic is
-    float32, 1.5-2.4x at 128 new tokens and more (``tools/benchmark_extend.py --dtype bfloat16``;
-    the s08 lesson has the figures). A decode reads every key once and is bound by memory, not by
-    arithmetic, so the decode kernel reads bfloat16 too."""
+    float32, by 1.6-2.5x wherever 128 or more new tokens met 512 or more keys, and came within 20%
+    of it below that (``tools/benchmark_extend.py --dtype bfloat16``; the s08 lesson has figures).
+    A decode reads every key once and is bound by memory, not by arithmetic, so the decode kernel
+    reads bfloat16 too."""
     if pool.device.type != "cpu":
         return "per-request", f"the fused extend kernel is a CPU one, the pool is on {pool.device.type}"
     if pool.dtype == torch.bfloat16:
