@@ -34,13 +34,16 @@ typedef uint32_t u32vec16 __attribute__((vector_size(LANES * sizeof(uint32_t))))
 // A bfloat16 is the upper half of a float32's bits, so widening one is exact: the 16 bits shifted
 // into place (GCC lowers the 16 of them to one zero-extension and one shift). A KV pool in bfloat16
 // is half the bytes to stream, and the arithmetic stays in float32.
-inline vec16 load16(const c10::BFloat16* p) {
-  u16vec16 half;
-  __builtin_memcpy(&half, p, sizeof half);
+inline vec16 widen(u16vec16 half) {
   const u32vec16 bits = __builtin_convertvector(half, u32vec16) << 16;
   vec16 r;
   __builtin_memcpy(&r, &bits, sizeof r);
   return r;
+}
+inline vec16 load16(const c10::BFloat16* p) {
+  u16vec16 half;
+  __builtin_memcpy(&half, p, sizeof half);
+  return widen(half);
 }
 
 // 16 floats to bfloat16, rounded to nearest (ties to even) as PyTorch rounds: add just under half
@@ -61,14 +64,10 @@ inline void store16(c10::BFloat16* p, vec16 x) {
 // that stands for several PyTorch operators on T rounds where each of them would store its result.
 template <typename T>
 inline vec16 as_stored(vec16 x) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float>)
     return x;
-  } else {
-    const u32vec16 bits = __builtin_convertvector(bf16_bits(x), u32vec16) << 16;
-    vec16 r;
-    __builtin_memcpy(&r, &bits, sizeof r);
-    return r;
-  }
+  else
+    return widen(bf16_bits(x));
 }
 template <typename T>
 inline float as_stored(float x) {
