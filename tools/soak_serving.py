@@ -694,14 +694,26 @@ def metrics_line(metrics: dict[str, float]) -> str:
     )
 
 
+def grown(before: dict[str, float], after: dict[str, float], metric: str) -> dict[str, int]:
+    """How much each labelled series of the counter ``metric`` grew between two scrapes
+    (metric_samples), by its labels' values ('stop', '/v1/completions,400'); those that did not grow
+    are left out."""
+    prefix = metric + "{"
+    growth = {
+        name[len(prefix) : -1]: round(value - before.get(name, 0.0))
+        for name, value in after.items()
+        if name.startswith(prefix)
+    }
+    return {labels: n for labels, n in growth.items() if n}
+
+
 def http_answers(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """The HTTP answers the server counted between two scrapes (engine:http_requests_total), by status."""
     answered: dict[str, int] = {}
-    for name, value in after.items():
-        if name.startswith("engine:http_requests_total{"):
-            status = name[:-1].rsplit(",", 1)[1]
-            answered[status] = answered.get(status, 0) + round(value - before.get(name, 0.0))
-    return {status: n for status, n in answered.items() if n}
+    for labels, n in grown(before, after, "engine:http_requests_total").items():
+        status = labels.rsplit(",", 1)[1]
+        answered[status] = answered.get(status, 0) + n
+    return answered
 
 
 def soak(base_url: str, minutes: float, clients: int, slow_clients: int, api_key: str | None, seed: int) -> int:

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from serving_helpers import TINY_FAMILY, Server, post, read_sse, wait_idle
-from soak_serving import metric_samples
+from soak_serving import grown, metric_samples
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -38,9 +38,7 @@ def change(before: dict[str, float], after: dict[str, float], name: str) -> floa
 
 def finished(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """How many engine requests ended, by reason, between the two scrapes."""
-    reasons = {name[name.index("{") + 1 : -1] for name in after if name.startswith("engine:requests_finished_total{")}
-    counts = {reason: int(change(before, after, f"engine:requests_finished_total{{{reason}}}")) for reason in reasons}
-    return {reason: count for reason, count in counts.items() if count}
+    return grown(before, after, "engine:requests_finished_total")
 
 
 def test_metrics_count_what_the_clients_got(tiny_server):
@@ -203,9 +201,8 @@ def test_metrics_answer_while_requests_run(tiny_server):
 
 def http_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """How many HTTP answers each (route, status) got between the two scrapes, /metrics' own left out."""
-    keys = {name for name in after if name.startswith("engine:http_requests_total{") and "{/metrics," not in name}
-    counts = {name[name.index("{") + 1 : -1]: int(change(before, after, name)) for name in keys}
-    return {key: count for key, count in counts.items() if count}
+    counts = grown(before, after, "engine:http_requests_total")
+    return {labels: n for labels, n in counts.items() if not labels.startswith("/metrics,")}
 
 
 def test_every_http_answer_is_counted_by_route_and_status(guarded_server):
