@@ -43,12 +43,6 @@ void same_dtype(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": ", a.scalar_type(), " and ", b.scalar_type(), " differ");
 }
 
-// f(T{}) with T the C++ type of `type` (float or c10::BFloat16): one loop written once for both.
-template <typename F>
-at::Tensor for_dtype(at::ScalarType type, const F& f) {
-  return type == at::kBFloat16 ? f(c10::BFloat16{}) : f(float{});
-}
-
 // x [rows, N] (rows any distance apart), w [N] -> [rows, N]. PyTorch's chain (s00 model.py's
 // RMSNorm): normalised in float32, stored as T, times the weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -72,6 +73,12 @@ inline vec16 as_stored(vec16 x) {
 template <typename T>
 inline float as_stored(float x) {
   return static_cast<float>(static_cast<T>(x));
+}
+
+// f(T{}) with T the C++ type of `type` (float or c10::BFloat16): one loop written once for both.
+template <typename F>
+auto for_dtype(c10::ScalarType type, const F& f) {
+  return type == c10::kBFloat16 ? f(c10::BFloat16{}) : f(float{});
 }
 
 inline float hsum(vec16 x) {  // the sum of the 16 lanes, halving: 16 -> 8 -> 4 -> 1

@@ -222,12 +222,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   }
   at::Tensor out = at::empty_like(q);
   const float s = static_cast<float>(scale);
-  if (bf16)
-    attend_all(q.data_ptr<float>(), k_buffer.data_ptr<c10::BFloat16>(), v_buffer.data_ptr<c10::BFloat16>(), table,
-               lens, out.data_ptr<float>(), bs, H, KVH, D, L, s);
-  else
-    attend_all(q.data_ptr<float>(), k_buffer.data_ptr<float>(), v_buffer.data_ptr<float>(), table, lens,
-               out.data_ptr<float>(), bs, H, KVH, D, L, s);
+  for_dtype(k_buffer.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    attend_all(q.data_ptr<float>(), k_buffer.data_ptr<T>(), v_buffer.data_ptr<T>(), table, lens, out.data_ptr<float>(),
+               bs, H, KVH, D, L, s);
+  });
   return out;
 }
 
