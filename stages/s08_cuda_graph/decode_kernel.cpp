@@ -11,7 +11,10 @@
 // not once per query head. A decode is bound by how
 // fast the pool streams from memory, so the loops are written for that: the next keys are
 // prefetched while the current ones are scored, and the arithmetic runs 16 floats at a time in
-// the compiler's portable vector type (AVX-512, 2 x AVX2, 4 x NEON: whatever the CPU has).
+// the compiler's portable vector type (AVX-512, 2 x AVX2, 4 x NEON: whatever the CPU has). And it
+// is kept to a few operations a key, or a bfloat16 pool (half the bytes) would wait on it instead:
+// sixteen keys' dot products are summed together (fold_keys), and a bfloat16 row is widened two
+// operations per 32 values (load_row).
 //
 // The pool may hold float32 or bfloat16 (the loops are templates over the stored type T: a
 // bfloat16 key is widened to float32 as it is loaded, which is exact), the query and the output are
@@ -54,8 +57,8 @@ inline void add_scaled(float* acc, float w, const T* x, int64_t n) {  // acc += 
   for (; d < n; ++d) acc[d] += w * static_cast<float>(x[d]);
 }
 
-// The two passes below call this under their own `if (j + ahead < n)`: with the bounds checks moved
-// in here (one shared helper), GCC 12 emitted no prefetch at all and a step took 1.4x as long.
+// fetch (below) calls this under its own `if (j + ahead < n)`: with the bounds checks moved in
+// here, GCC 12 emitted no prefetch at all and a step took 1.4x as long.
 template <typename T>
 inline void prefetch(const T* p, int64_t n, bool to_l1) {  // one request per 64-byte cache line
   for (int64_t d = 0; d < n; d += 64 / sizeof(T)) {
@@ -68,10 +71,17 @@ inline void prefetch(const T* p, int64_t n, bool to_l1) {  // one request per 64
 
 // Softmax of a row of n scores in place; returns 1 / (sum of exp), applied to the output once.
 float softmax_unnormalized(float* s, int64_t n) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-  vec16 sums = vec16{};
+  vec16 maxes = vec16{} - INFINITY;  // 16 running maxima: one over all n would be a chain of n steps
   int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    const vec16 x = load16(s + j);
+    maxes = x > maxes ? x : maxes;
+  }
+  float m = -INFINITY;
+  for (int64_t l = 0; l < LANES; ++l) m = std::max(m, maxes[l]);
+  for (; j < n; ++j) m = std::max(m, s[j]);
+  vec16 sums = vec16{};
+  j = 0;
   for (; j + LANES <= n; j += LANES) {
     const vec16 e = exp16(load16(s + j) - m);
     store16(s + j, e);
@@ -80,6 +90,105 @@ float softmax_unnormalized(float* s, int64_t n) {
   float sum = hsum(sums);
   for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
   return 1.f / sum;
+}
+
+// Slot j's key (or value), offset to this KV head, once later ones are asked for (attend says which).
+template <typename T>
+__attribute__((always_inline)) inline const T* fetch(const T* base, const int64_t* slots, int64_t j, int64_t n,
+                                                     int64_t row, int64_t D, bool first_pass) {
+  if (first_pass && j + PREFETCH_ROWS < n) prefetch(base + slots[j + PREFETCH_ROWS] * row, row, false);
+  if (j + PREFETCH_AHEAD < n) prefetch(base + slots[j + PREFETCH_AHEAD] * row, D, true);
+  return base + slots[j] * row;
+}
+
+// A row of D = 16 * C values as C vectors of floats. A float32 row loads as it lies. A bfloat16 row
+// is read 32 values at a time as 16 pairs: the even values shifted into place, the odd ones masked
+// (two operations for 32 values, where widening them in order takes four), so its vectors hold the
+// row in another order. load_query puts the query in that same order (a dot product does not mind
+// the order), and store_row puts the output's sums back in place.
+template <typename T, int64_t C>
+__attribute__((always_inline)) inline void load_row(const T* p, vec16 (&x)[C]) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t c = 0; c < C; ++c) x[c] = load16(p + c * LANES);
+  } else {
+    static_assert(C % 2 == 0, "a bfloat16 row is read 32 values at a time");
+    for (int64_t c = 0; c < C; c += 2) {
+      u32vec16 pairs;
+      __builtin_memcpy(&pairs, p + c * LANES, sizeof pairs);
+      const u32vec16 even = pairs << 16, odd = pairs & 0xFFFF0000u;  // little-endian: value 2i is the low half
+      __builtin_memcpy(&x[c], &even, sizeof even);
+      __builtin_memcpy(&x[c + 1], &odd, sizeof odd);
+    }
+  }
+}
+
+template <typename T, int64_t C>
+__attribute__((always_inline)) inline void load_query(const float* q, vec16 (&x)[C]) {
+  for (int64_t c = 0; c < C; ++c) x[c] = load16(q + c * LANES);
+  if constexpr (!std::is_same_v<T, float>)
+    for (int64_t c = 0; c < C; c += 2) {
+      const vec16 a = x[c], b = x[c + 1];
+      x[c] = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      x[c + 1] = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    }
+}
+
+template <typename T, int64_t C>
+__attribute__((always_inline)) inline void store_row(float* out, const vec16 (&x)[C], float w) {  // out = w * x
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t c = 0; c < C; ++c) store16(out + c * LANES, x[c] * w);
+  } else {
+    for (int64_t c = 0; c < C; c += 2) {
+      const vec16 even = x[c] * w, odd = x[c + 1] * w;
+      store16(out + c * LANES,
+              __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+      store16(out + (c + 1) * LANES,
+              __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+    }
+  }
+}
+
+// A key's dot product with a query head ends as 16 partial sums, and adding up 16 lanes is a chain
+// of shuffles: per key and head, as many operations as the products themselves. Sixteen keys'
+// vectors are folded together instead, in pairs: halves, quarters, pairs of lanes, lanes (the
+// order hsum adds in, so the sums are the same bits). Four folds leave one vector of the 16 keys'
+// sums, lane i holding key bit_reversed(i): 15 shuffles and adds for 16 keys, not 16 hsums.
+template <int Level>
+__attribute__((always_inline)) inline vec16 fold(vec16 a, vec16 b) {
+  if constexpr (Level == 1)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  else if constexpr (Level == 2)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  else if constexpr (Level == 3)
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  else
+    return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// out[h]: the G heads' products with keys j .. j + 2^Level - 1, folded Level times (Level 0: one
+// key's 16 partial sums). Depth first, so that few vectors are alive at once. Forced inline: called,
+// the recursion kept its vectors in memory and a step took longer than with 16 hsums.
+template <int Level, typename T, int64_t C, int64_t G>
+__attribute__((always_inline)) inline void fold_keys(vec16 (&out)[G], const vec16 (&qv)[G][C], const T* k,
+                                                     const int64_t* slots, int64_t j, int64_t n, int64_t row,
+                                                     int64_t D, bool first_pass) {
+  if constexpr (Level == 0) {
+    vec16 kv[C];
+    load_row(fetch(k, slots, j, n, row, D, first_pass), kv);
+    for (int64_t h = 0; h < G; ++h) {
+      out[h] = qv[h][0] * kv[0];
+      for (int64_t c = 1; c < C; ++c) out[h] += qv[h][c] * kv[c];
+    }
+  } else {
+    vec16 a[G], b[G];
+    fold_keys<Level - 1>(a, qv, k, slots, j, n, row, D, first_pass);
+    fold_keys<Level - 1>(b, qv, k, slots, j + (1 << (Level - 1)), n, row, D, first_pass);
+    for (int64_t h = 0; h < G; ++h) out[h] = fold<Level>(a[h], b[h]);
+  }
 }
 
 // A group of G query heads of one KV head of one request: q [G, D] and out [G, D] its query heads,
@@ -98,21 +207,23 @@ void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_
   constexpr int64_t R = C > 0 ? C : 1;  // vectors per head held in registers (none used when C = 0)
   vec16 qv[G][R];
   if constexpr (C > 0)
-    for (int64_t h = 0; h < G; ++h)
-      for (int64_t c = 0; c < C; ++c) qv[h][c] = load16(q + h * D + c * LANES);
-  for (int64_t j = 0; j < n; ++j) {
-    if (first_pass && j + PREFETCH_ROWS < n) prefetch(k + slots[j + PREFETCH_ROWS] * row, row, false);
-    if (j + PREFETCH_AHEAD < n) prefetch(k + slots[j + PREFETCH_AHEAD] * row, D, true);
-    const T* key = k + slots[j] * row;
+    for (int64_t h = 0; h < G; ++h) load_query<T>(q + h * D, qv[h]);
+  int64_t j = 0;
+  if constexpr (C > 0)
+    for (; j + LANES <= n; j += LANES) {
+      vec16 dots[G];
+      fold_keys<4>(dots, qv, k, slots, j, n, row, D, first_pass);
+      for (int64_t h = 0; h < G; ++h)  // lane i holds key bit_reversed(i): back in order (the reversal is its own inverse)
+        store16(scores + h * n + j,
+                scale * __builtin_shufflevector(dots[h], dots[h], 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15));
+    }
+  for (; j < n; ++j) {  // the last n % 16 keys one at a time (all of them when C = 0)
     if constexpr (C > 0) {
-      vec16 kv[C];
-      for (int64_t c = 0; c < C; ++c) kv[c] = load16(key + c * LANES);
-      for (int64_t h = 0; h < G; ++h) {
-        vec16 acc = qv[h][0] * kv[0];
-        for (int64_t c = 1; c < C; ++c) acc += qv[h][c] * kv[c];
-        scores[h * n + j] = scale * hsum(acc);
-      }
+      vec16 dots[G];
+      fold_keys<0>(dots, qv, k, slots, j, n, row, D, first_pass);
+      for (int64_t h = 0; h < G; ++h) scores[h * n + j] = scale * hsum(dots[h]);
     } else {
+      const T* key = fetch(k, slots, j, n, row, D, first_pass);
       for (int64_t h = 0; h < G; ++h) scores[h * n + j] = scale * dot(q + h * D, key, D);
     }
   }
@@ -121,12 +232,10 @@ void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_
   vec16 sum[G][R] = {};
   if constexpr (C == 0) std::fill(out, out + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    if (first_pass && j + PREFETCH_ROWS < n) prefetch(v + slots[j + PREFETCH_ROWS] * row, row, false);
-    if (j + PREFETCH_AHEAD < n) prefetch(v + slots[j + PREFETCH_AHEAD] * row, D, true);
-    const T* value = v + slots[j] * row;
+    const T* value = fetch(v, slots, j, n, row, D, first_pass);
     if constexpr (C > 0) {
       vec16 vv[C];
-      for (int64_t c = 0; c < C; ++c) vv[c] = load16(value + c * LANES);
+      load_row(value, vv);
       for (int64_t h = 0; h < G; ++h)
         for (int64_t c = 0; c < C; ++c) sum[h][c] += scores[h * n + j] * vv[c];
     } else {
@@ -135,7 +244,7 @@ void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_
   }
   for (int64_t h = 0; h < G; ++h) {
     if constexpr (C > 0)
-      for (int64_t c = 0; c < C; ++c) store16(out + h * D + c * LANES, sum[h][c] * inv[h]);
+      store_row<T>(out + h * D, sum[h], inv[h]);
     else
       for (int64_t d = 0; d < D; ++d) out[h * D + d] *= inv[h];
   }
