@@ -279,10 +279,8 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         if meta.path == "fused":
             kernel = decode_kernel.load().op
             assert kernel is not None, "the fused path is chosen only when its kernel loaded"
-            out = kernel(
-                q.float().contiguous(), k_buffer, v_buffer, meta.kv_indices, meta.seq_lens, q.shape[-1] ** -0.5
-            )
-            return out.to(q.dtype)  # (float32: no copy, the kernel's own tensor)
+            # q of the model's dtype (the pool's) as it is: the output comes back in it, rounded once
+            return kernel(q.contiguous(), k_buffer, v_buffer, meta.kv_indices, meta.seq_lens, q.shape[-1] ** -0.5)
         if meta.path != "table":
             raise ValueError(f"decode path {meta.path!r}: expected one of {DECODE_PATHS}")
         if meta.table is None:

@@ -17,8 +17,10 @@
 // operations per 32 values (load_row).
 //
 // The pool may hold float32 or bfloat16 (the loops are templates over the stored type T: a
-// bfloat16 key is widened to float32 as it is loaded, which is exact), the query and the output are
-// float32. Registered as torch.ops.engine_cpu.decode_attention (s08_cuda_graph/decode_kernel.py
+// bfloat16 key is widened to float32 as it is loaded, which is exact), and the query and the output
+// float32 or the pool's dtype (Q: a bfloat16 model's query is read as it is and its output rounded
+// once, where converting both around the call cost two copies a layer); the arithmetic is float32.
+// Registered as torch.ops.engine_cpu.decode_attention (s08_cuda_graph/decode_kernel.py
 // builds and loads it).
 
 #include <ATen/Parallel.h>
@@ -40,13 +42,13 @@ using namespace cpu_kernel;
 constexpr int64_t PREFETCH_AHEAD = 8;   // keys ahead, into L1: this KV head's part of the key's row
 constexpr int64_t PREFETCH_ROWS = 16;   // keys ahead, into L2: the whole row, for the other heads' passes
 
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
+template <typename Q, typename T>
+inline float dot(const Q* a, const T* b, int64_t n) {
   vec16 acc = vec16{};
   int64_t d = 0;
   for (; d + LANES <= n; d += LANES) acc += load16(a + d) * load16(b + d);
   float s = hsum(acc);
-  for (; d < n; ++d) s += a[d] * static_cast<float>(b[d]);
+  for (; d < n; ++d) s += static_cast<float>(a[d]) * static_cast<float>(b[d]);
   return s;
 }
 
@@ -122,8 +124,8 @@ __attribute__((always_inline)) inline void load_row(const T* p, vec16 (&x)[C]) {
   }
 }
 
-template <typename T, int64_t C>
-__attribute__((always_inline)) inline void load_query(const float* q, vec16 (&x)[C]) {
+template <typename T, int64_t C, typename Q>
+__attribute__((always_inline)) inline void load_query(const Q* q, vec16 (&x)[C]) {
   for (int64_t c = 0; c < C; ++c) x[c] = load16(q + c * LANES);
   if constexpr (!std::is_same_v<T, float>)
     for (int64_t c = 0; c < C; c += 2) {
@@ -133,8 +135,8 @@ __attribute__((always_inline)) inline void load_query(const float* q, vec16 (&x)
     }
 }
 
-template <typename T, int64_t C>
-__attribute__((always_inline)) inline void store_row(float* out, const vec16 (&x)[C], float w) {  // out = w * x
+template <typename T, int64_t C, typename Q>
+__attribute__((always_inline)) inline void store_row(Q* out, const vec16 (&x)[C], float w) {  // out = w * x
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t c = 0; c < C; ++c) store16(out + c * LANES, x[c] * w);
   } else {
@@ -193,17 +195,17 @@ __attribute__((always_inline)) inline void fold_keys(vec16 (&out)[G], const vec1
 
 // A group of G query heads of one KV head of one request: q [G, D] and out [G, D] its query heads,
 // slots its n table entries, k / v the pool buffers offset to this KV head (rows `row` values
-// apart), scores [G * n] scratch. A token's row holds every KV head's D floats side by side, and
+// apart), scores [G * n] and sums [G * D] scratch. A token's row holds every KV head's D floats side by side, and
 // the passes over one request's KV heads run one after another on a thread: so the pass over
 // head 0 (`first_pass`) also asks L2 for the whole row further ahead, and the later passes find
 // their part there.
 // G and C (D = 16 * C) are known to the compiler, so q's G x C vectors and the G x C output sums
 // stay in registers while the keys and values stream past. With G read at run time every head's
 // query and output went through memory for every key: 29% more time with the pool in cache, 5-7%
-// more from memory. C = 0: any D, the same loops with a scalar tail, q and out in memory.
-template <typename T, int64_t C, int64_t G>
-void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t row,
-            int64_t D, float scale, float* scores, float* out, bool first_pass) {
+// more from memory. C = 0: any D, the same loops with a scalar tail, q and the sums in memory.
+template <typename T, int64_t C, int64_t G, typename Q>
+void attend(const Q* q, const T* k, const T* v, const int64_t* slots, int64_t n, int64_t row, int64_t D,
+            float scale, float* scores, float* sums, Q* out, bool first_pass) {
   constexpr int64_t R = C > 0 ? C : 1;  // vectors per head held in registers (none used when C = 0)
   vec16 qv[G][R];
   if constexpr (C > 0)
@@ -230,7 +232,7 @@ void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_
   float inv[G];
   for (int64_t h = 0; h < G; ++h) inv[h] = softmax_unnormalized(scores + h * n, n);
   vec16 sum[G][R] = {};
-  if constexpr (C == 0) std::fill(out, out + G * D, 0.f);
+  if constexpr (C == 0) std::fill(sums, sums + G * D, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const T* value = fetch(v, slots, j, n, row, D, first_pass);
     if constexpr (C > 0) {
@@ -239,20 +241,20 @@ void attend(const float* q, const T* k, const T* v, const int64_t* slots, int64_
       for (int64_t h = 0; h < G; ++h)
         for (int64_t c = 0; c < C; ++c) sum[h][c] += scores[h * n + j] * vv[c];
     } else {
-      for (int64_t h = 0; h < G; ++h) add_scaled(out + h * D, scores[h * n + j], value, D);
+      for (int64_t h = 0; h < G; ++h) add_scaled(sums + h * D, scores[h * n + j], value, D);
     }
   }
   for (int64_t h = 0; h < G; ++h) {
     if constexpr (C > 0)
       store_row<T>(out + h * D, sum[h], inv[h]);
     else
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] *= inv[h];
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<Q>(sums[h * D + d] * inv[h]);
   }
 }
 
-template <typename T>
-using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*,
-                          float*, bool);
+template <typename T, typename Q>
+using AttendFn = void (*)(const Q*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, float, float*,
+                          float*, Q*, bool);
 
 // Heads per group: as many as keep a group's query (and, in the second pass, its sums) within
 // half of AVX-512's 32 vector registers: 4 heads of 64 floats, 2 of 128. A KV head with more query
@@ -260,47 +262,49 @@ using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int6
 // values in L2.
 inline int64_t heads_per_group(int64_t D) { return D == 128 ? 2 : 4; }
 
-template <typename T, int64_t C>
-AttendFn<T> attend_for_heads(int64_t heads) {  // heads in 1..4
-  return heads == 1   ? attend<T, C, 1>
-         : heads == 2 ? attend<T, C, 2>
-         : heads == 3 ? attend<T, C, 3>
-                      : attend<T, C, 4>;
+template <typename T, typename Q, int64_t C>
+AttendFn<T, Q> attend_for_heads(int64_t heads) {  // heads in 1..4
+  return heads == 1   ? attend<T, C, 1, Q>
+         : heads == 2 ? attend<T, C, 2, Q>
+         : heads == 3 ? attend<T, C, 3, Q>
+                      : attend<T, C, 4, Q>;
 }
 
 // The loops for a group of `heads` query heads of size D: the common sizes unrolled (64, 128).
-template <typename T>
-AttendFn<T> attend_for(int64_t D, int64_t heads) {
-  return D == 64 ? attend_for_heads<T, 4>(heads) : D == 128 ? attend_for_heads<T, 8>(heads) : attend_for_heads<T, 0>(heads);
+template <typename T, typename Q>
+AttendFn<T, Q> attend_for(int64_t D, int64_t heads) {
+  return D == 64    ? attend_for_heads<T, Q, 4>(heads)
+         : D == 128 ? attend_for_heads<T, Q, 8>(heads)
+                    : attend_for_heads<T, Q, 0>(heads);
 }
 
 // Every (request, KV head) over the threads; the arguments as decode_attention's, checked there.
-template <typename T>
-void attend_all(const float* qp, const T* kp, const T* vp, const int64_t* table, const int32_t* lens, float* op,
-                int64_t bs, int64_t H, int64_t KVH, int64_t D, int64_t L, float s) {
+template <typename T, typename Q>
+void attend_all(const Q* qp, const T* kp, const T* vp, const int64_t* table, const int32_t* lens, Q* op, int64_t bs,
+                int64_t H, int64_t KVH, int64_t D, int64_t L, float s) {
   const int64_t G = H / KVH, row = KVH * D;
   // Work item w = (request w / KVH, KV head w % KVH) costs about its request's length.
   std::vector<int64_t> cost(bs * KVH + 1, 0);
   for (int64_t w = 0; w < bs * KVH; ++w) cost[w + 1] = cost[w] + lens[w / KVH];
   // Each KV head's G query heads in groups of `per`, the last group maybe smaller.
   const int64_t per = std::min(G, heads_per_group(D));
-  const AttendFn<T> full = attend_for<T>(D, per), last_group = attend_for<T>(D, G % per ? G % per : per);
+  const AttendFn<T, Q> full = attend_for<T, Q>(D, per), last_group = attend_for<T, Q>(D, G % per ? G % per : per);
   parallel_by_cost(cost, [&](int64_t first, int64_t last) {
-    std::vector<float> scores;
+    std::vector<float> scores, sums(per * D);
     for (int64_t w = first; w < last; ++w) {
       const int64_t i = w / KVH, g = w % KVH, n = lens[i];
       scores.resize(per * n);
       for (int64_t h = 0; h < G; h += per) {
         const int64_t at = (i * H + g * G + h) * D;  // the group's first query head, in q and in out
         (h + per <= G ? full : last_group)(qp + at, kp + g * D, vp + g * D, table + i * L, n, row, D, s,
-                                            scores.data(), op + at, g == 0 && h == 0);
+                                            scores.data(), sums.data(), op + at, g == 0 && h == 0);
       }
     }
   });
 }
 
 // q [bs, H, D]; k_buffer, v_buffer [num_slots, KVH, D]; kv_indices [bs, kv_len] (row i: request
-// i's slots, the first seq_lens[i] of them used); seq_lens [bs] int32 -> [bs, H, D].
+// i's slots, the first seq_lens[i] of them used); seq_lens [bs] int32 -> [bs, H, D] of q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& kv_indices, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
@@ -308,9 +312,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "decode_attention: q, k_buffer, v_buffer must be contiguous CPU tensors");
   const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (bf16 || k_buffer.scalar_type() == at::kFloat) &&
-                  v_buffer.scalar_type() == k_buffer.scalar_type(),
-              "decode_attention: q must be float32, k_buffer and v_buffer both float32 or both bfloat16");
+  TORCH_CHECK((bf16 || k_buffer.scalar_type() == at::kFloat) && v_buffer.scalar_type() == k_buffer.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == k_buffer.scalar_type()),
+              "decode_attention: k_buffer and v_buffer must be both float32 or both bfloat16, and q float32 or "
+              "their dtype; got q ", q.scalar_type(), ", k_buffer ", k_buffer.scalar_type(), ", v_buffer ",
+              v_buffer.scalar_type());
   const int64_t bs = q.size(0), H = q.size(1), D = q.size(2), KVH = k_buffer.size(1), S = k_buffer.size(0);
   TORCH_CHECK(k_buffer.size(2) == D && H % KVH == 0, "decode_attention: head_dim differs, or H is not a multiple of KVH");
   TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == bs && kv_indices.scalar_type() == at::kLong &&
@@ -333,8 +339,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   const float s = static_cast<float>(scale);
   for_dtype(k_buffer.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    attend_all(q.data_ptr<float>(), k_buffer.data_ptr<T>(), v_buffer.data_ptr<T>(), table, lens, out.data_ptr<float>(),
-               bs, H, KVH, D, L, s);
+    const T *kp = k_buffer.data_ptr<T>(), *vp = v_buffer.data_ptr<T>();
+    if (q.scalar_type() == at::kFloat)
+      attend_all(q.data_ptr<float>(), kp, vp, table, lens, out.data_ptr<float>(), bs, H, KVH, D, L, s);
+    else
+      attend_all(q.data_ptr<T>(), kp, vp, table, lens, out.data_ptr<T>(), bs, H, KVH, D, L, s);
   });
   return out;
 }

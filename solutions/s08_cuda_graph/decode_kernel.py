@@ -26,7 +26,8 @@ the kernel's first version took 12.6 s of decode attention against 17.6 s throug
 
 The decode kernel reads a float32 or a bfloat16 pool (``POOL_DTYPES``): a bfloat16 key or value is
 widened to float32 as it is loaded (exact), the arithmetic is float32 either way, and a bfloat16
-pool is half the bytes a step streams.
+pool is half the bytes a step streams. The query may be float32 or the pool's dtype, and the output
+comes back in the query's (a bfloat16 model's rounded once, as ``.to(torch.bfloat16)`` rounds).
 
 The same library holds the prefill's attention (extend_kernel.cpp, ``torch.ops.engine_cpu.
 extend_attention``, float32 only): a request's new tokens against its whole context, read in place
@@ -53,7 +54,7 @@ from s00_foundation.cpu_extension import build, switched_off
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_kernel.cpp", "extend_kernel.cpp")]
 NAME = "engine_cpu_decode_kernel"
 # The pools the decode kernel reads (a bfloat16 key is widened to float32 as it is loaded; the
-# query and the output are float32 whatever the pool holds). The extend kernel reads float32 only.
+# query and the output are float32 or the pool's dtype). The extend kernel reads float32 only.
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 OFF = "ENGINE_DECODE_KERNEL"  # set to "off" to never build or use these two (ENGINE_CPU_KERNELS: any)
 

@@ -3,7 +3,8 @@
 On a CPU with bfloat16 matrix units (AMX, AVX512-BF16) a bfloat16 model's products run several
 times faster than float32's, and its KV pool is half the bytes. Checked here: the fused decode
 kernel reads a bfloat16 pool as the float32 values it holds (each key widened exactly as it is
-loaded), for grouped-query heads and head sizes it unrolls and odd ones; a bfloat16 pool's decodes
+loaded), for grouped-query heads and head sizes it unrolls and odd ones, and hands a bfloat16
+query its output in bfloat16, rounded once; a bfloat16 pool's decodes
 take that kernel and its extends stage 4's SDPA (faster there in bfloat16); and the whole model in
 bfloat16 through stage 8's CPU paths is as close to the float32 model's logits as stage 4's
 bfloat16 passes are. Where no C++ compiler is here the tests skip and say so."""
@@ -30,9 +31,9 @@ def kernel():
     return built_kernel()
 
 
-@pytest.mark.parametrize("head_dim", [24, 64, 128])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)])
-def test_the_decode_kernel_reads_a_bfloat16_pool_as_its_float32_values(kernel, num_heads, num_kv_heads, head_dim):
+def bfloat16_rows(num_heads: int, num_kv_heads: int, head_dim: int):
+    """A bfloat16 pool, a float32 query and the table of rows of 37, 1, 12, 70 and 5 keys in
+    scattered slots (slot 0 unused): (q, k16, v16, kv_indices, seq_lens)."""
     g = torch.Generator().manual_seed(0)
     lengths = [37, 1, 12, 70, 5]
     slots = 1 + sum(lengths)
@@ -43,8 +44,14 @@ def test_the_decode_kernel_reads_a_bfloat16_pool_as_its_float32_values(kernel, n
     for row, n in enumerate(lengths):
         kv_indices[row, :n] = torch.tensor(order[:n])
         order = order[n:]
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=g)
+    return q, k16, v16, kv_indices, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)])
+def test_the_decode_kernel_reads_a_bfloat16_pool_as_its_float32_values(kernel, num_heads, num_kv_heads, head_dim):
+    q, k16, v16, kv_indices, seq_lens = bfloat16_rows(num_heads, num_kv_heads, head_dim)
     got = kernel.op(q, k16, v16, kv_indices, seq_lens, head_dim**-0.5)
     expected = kernel.op(q, k16.float(), v16.float(), kv_indices, seq_lens, head_dim**-0.5)
     worst = (got - expected).abs().max().item()
@@ -53,6 +60,24 @@ def test_the_decode_kernel_reads_a_bfloat16_pool_as_its_float32_values(kernel, n
         f"{worst:.3g} from the same values in float32 (a bfloat16 widens to float32 exactly: its bits are the "
         "upper half)"
     )
+
+
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_a_bfloat16_query_gets_the_float32_output_rounded_once(kernel, head_dim):
+    """A bfloat16 model's query goes in as it is and its output comes back in bfloat16: the bits
+    of the float32 query's output rounded, as ``.to(torch.bfloat16)`` rounds (a head size the
+    kernel unrolls and one it does not). A query of a third dtype is refused, saying which."""
+    q, k16, v16, kv_indices, seq_lens = bfloat16_rows(9, 3, head_dim)
+    q16 = q.to(torch.bfloat16)
+    got = kernel.op(q16, k16, v16, kv_indices, seq_lens, head_dim**-0.5)
+    expected = kernel.op(q16.float(), k16, v16, kv_indices, seq_lens, head_dim**-0.5).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16, f"a bfloat16 query's output should be bfloat16, got {got.dtype}"
+    assert torch.equal(got, expected), (
+        f"head_dim {head_dim}: {(got != expected).float().mean():.1%} of the outputs differ from the float32 "
+        "query's output rounded to bfloat16 (a bfloat16 query widens exactly; the output rounds once, to nearest even)"
+    )
+    with pytest.raises(RuntimeError, match="q float32 or their dtype; got q Half"):
+        kernel.op(q.half(), k16, v16, kv_indices, seq_lens, head_dim**-0.5)
 
 
 def test_a_bfloat16_pool_decodes_by_the_kernel_and_extends_by_sdpa(kernel):
