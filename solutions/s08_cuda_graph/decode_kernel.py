@@ -30,8 +30,9 @@ pool is half the bytes a step streams. The query may be float32 or the pool's dt
 comes back in the query's (a bfloat16 model's rounded once, as ``.to(torch.bfloat16)`` rounds).
 
 The same library holds the prefill's attention (extend_kernel.cpp, ``torch.ops.engine_cpu.
-extend_attention``, float32 only): a request's new tokens against its whole context, read in place
-through the table, causal, flash-attention style (decode_attention.py's ``forward_extend`` calls it).
+extend_attention``, float32 or bfloat16): a request's new tokens against its whole context, read in
+place through the table, causal, flash-attention style (decode_attention.py's ``forward_extend``
+calls it).
 
 When there is no compiler (or ``ENGINE_DECODE_KERNEL=off`` or ``ENGINE_CPU_KERNELS=off`` is set),
 ``load()`` says why and the backend reads through the table instead, and extends take stage 4's
@@ -53,8 +54,9 @@ from s00_foundation.cpu_extension import build, switched_off
 # cpu_extension.py (which also says where the compiler is missing, and ENGINE_CPU_KERNELS=off).
 SOURCES = [Path(__file__).with_name(name) for name in ("decode_kernel.cpp", "extend_kernel.cpp")]
 NAME = "engine_cpu_decode_kernel"
-# The pools the decode kernel reads (a bfloat16 key is widened to float32 as it is loaded; the
-# query and the output are float32 or the pool's dtype). The extend kernel reads float32 only.
+# The pools the kernels read (a bfloat16 key is widened to float32 as it is loaded, the arithmetic
+# is float32; the decode kernel's query and output are float32 or the pool's dtype, the extend
+# kernel's the pool's).
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 OFF = "ENGINE_DECODE_KERNEL"  # set to "off" to never build or use these two (ENGINE_CPU_KERNELS: any)
 

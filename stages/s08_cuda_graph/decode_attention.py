@@ -109,22 +109,31 @@ def eager_decode_path(pool: torch.Tensor) -> tuple[str, str]:
     return "gathered", f"{why} (and torch's sampled_addmm, the table's, has no {dtype} CPU kernel)"
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX, the tile units (Intel Xeon, 4th generation on) on which PyTorch's CPU
+    kernels multiply bfloat16 matrices; False where torch cannot tell."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so asked for with care
+    return bool(check()) if check is not None else False
+
+
 def eager_extend_path(pool: torch.Tensor) -> tuple[str, str]:
     """How extend rows attend for a pool buffer's device and dtype, and why: ("fused", ...) on a
     CPU where the kernel is built, else ("per-request", ...), stage 4's gather + SDPA per request.
 
-    A bfloat16 pool takes stage 4's path: there PyTorch's SDPA (its CPU flash attention, whose
-    products run in bfloat16, on AMX where the CPU has it) beat the kernel, whose arithmetic is
-    float32, by 1.6-2.5x wherever 128 or more new tokens met 512 or more keys, and came within 20%
-    of it below that (``tools/benchmark_extend.py --dtype bfloat16``; the s08 lesson has figures).
-    A decode reads every key once and is bound by memory, not by arithmetic, so the decode kernel
-    reads bfloat16 too."""
+    The kernel reads a bfloat16 pool too (a block's keys and values widened to float32 as it goes,
+    the arithmetic float32), and takes it except on a CPU with AMX: there PyTorch's SDPA (its CPU
+    flash attention, whose products run in bfloat16 on the tile units) beat float32 arithmetic by
+    1.6-2.5x wherever 128 or more new tokens met 512 or more keys. Without AMX its bfloat16 was
+    no faster than its float32, and the kernel 2.5-3x faster than either (512 new tokens after 1024
+    cached on the AMD EPYC host: 12.6 ms by SDPA, 4.4 by the kernel in float32; the s08 lesson has
+    the figures, ``tools/benchmark_extend.py --dtype bfloat16`` measures them here)."""
     if pool.device.type != "cpu":
         return "per-request", f"the fused extend kernel is a CPU one, the pool is on {pool.device.type}"
-    if pool.dtype == torch.bfloat16:
-        return "per-request", "the pool is bfloat16, which PyTorch's SDPA multiplies faster than the kernel's float32"
-    if pool.dtype != torch.float32:
-        return "per-request", f"the pool is {str(pool.dtype).removeprefix('torch.')}; the extend kernel is float32"
+    if pool.dtype not in decode_kernel.POOL_DTYPES:
+        dtype = str(pool.dtype).removeprefix("torch.")
+        return "per-request", f"the pool is {dtype}; the extend kernel reads float32 and bfloat16"
+    if pool.dtype == torch.bfloat16 and cpu_has_amx():
+        return "per-request", "the pool is bfloat16 and this CPU has AMX, on which PyTorch's SDPA multiplies it faster"
     kernel = decode_kernel.load()
     if kernel.extend_op is not None:
         return "fused", f"extend_kernel.cpp, built with {kernel.how}"

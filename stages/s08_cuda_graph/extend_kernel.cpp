@@ -16,8 +16,13 @@
 // only Q (once per task) and the output (at its end) change layout. Both products run in register
 // tiles of 8 keys (or 8 output floats) x 3 vectors of rows, 24 sums held in registers.
 //
+// The pool, q and the output are float32 or all bfloat16 (the loops are templates over T). The
+// arithmetic is float32 either way: a bfloat16 block's keys and values are widened once into float32
+// rows (exact, and a few operations per value where each is then used for 16 to 48 rows), the query
+// is widened as it is laid out, and each output rounded once.
+//
 // Registered as torch.ops.engine_cpu.extend_attention (s08_cuda_graph/decode_kernel.py builds and
-// loads it with the decode kernel); float32 only.
+// loads it with the decode kernel).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernel.h"
@@ -83,22 +89,42 @@ struct Task {
 // One thread's buffers, sized for the largest task.
 struct Scratch {
   std::vector<float> qt, ot, st, zeros, inv;
+  std::vector<float> kblock, vblock;  // a bfloat16 block's keys and values, widened (BK rows of D)
   std::vector<vec16> m, l, alpha;
   std::vector<int32_t> pos;  // each row's position (its token's)
   std::vector<const float*> keys, values;
 };
 
 // Everything one call shares across its tasks.
+template <typename T>
 struct Call {
-  const float *q, *k, *v;
-  float* out;
+  const T *q, *k, *v;
+  T* out;
   const int64_t* table;      // req_to_token, width W
   const int64_t *rows, *prefix, *qstart;
   int64_t W, H, G, D, row;   // row: floats per slot (KVH * D)
   float scale;
 };
 
-void run_task(const Call& c, const Task& t, Scratch& s) {
+// This KV head's D values of slot `slot` as float32: in place for a float32 pool, else widened into
+// `block`'s row j.
+template <typename T>
+inline const float* key_row(const T* buffer, int64_t slot, const Call<T>& c, int64_t g, std::vector<float>& block,
+                            int64_t j) {
+  const T* x = buffer + slot * c.row + g * c.D;
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    float* row = block.data() + j * c.D;
+    int64_t d = 0;
+    for (; d + LANES <= c.D; d += LANES) store16(row + d, load16(x + d));
+    for (; d < c.D; ++d) row[d] = static_cast<float>(x[d]);
+    return row;
+  }
+}
+
+template <typename T>
+void run_task(const Call<T>& c, const Task& t, Scratch& s) {
   const int64_t R = t.nq * c.G, nrv = (R + LANES - 1) / LANES, rp = nrv * LANES, D = c.D;
   const int64_t first = c.prefix[t.req] + t.q0;  // position of the block's first token
   const int64_t kend = first + t.nq;             // keys 0 .. kend - 1 are seen by some row
@@ -109,8 +135,8 @@ void run_task(const Call& c, const Task& t, Scratch& s) {
   s.pos.assign(rp, static_cast<int32_t>(kend - 1));  // padding rows see every key
   for (int64_t r = 0; r < R; ++r) {
     const int64_t token = c.qstart[t.req] + t.q0 + r / c.G, head = t.g * c.G + r % c.G;
-    const float* qr = c.q + (token * c.H + head) * D;
-    for (int64_t d = 0; d < D; ++d) s.qt[d * rp + r] = qr[d] * c.scale;
+    const T* qr = c.q + (token * c.H + head) * D;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * rp + r] = static_cast<float>(qr[d]) * c.scale;
     s.pos[r] = static_cast<int32_t>(first + r / c.G);
   }
   s.m.assign(nrv, vec16{} - INFINITY);
@@ -120,8 +146,8 @@ void run_task(const Call& c, const Task& t, Scratch& s) {
   for (int64_t j0 = 0; j0 < kend; j0 += BK) {
     const int64_t nk = std::min(BK, kend - j0), tiles = (nk + KT - 1) / KT;
     for (int64_t j = 0; j < tiles * KT; ++j) {  // keys past nk: a row of zeros, never used after
-      s.keys[j] = j < nk ? c.k + slots[j0 + j] * c.row + t.g * D : s.zeros.data();
-      s.values[j] = j < nk ? c.v + slots[j0 + j] * c.row + t.g * D : s.zeros.data();
+      s.keys[j] = j < nk ? key_row(c.k, slots[j0 + j], c, t.g, s.kblock, j) : s.zeros.data();
+      s.values[j] = j < nk ? key_row(c.v, slots[j0 + j], c, t.g, s.vblock, j) : s.zeros.data();
     }
     for (int64_t jt = 0; jt < tiles; ++jt)
       for (int64_t v = 0; v < nrv; v += TV) {
@@ -180,22 +206,25 @@ void run_task(const Call& c, const Task& t, Scratch& s) {
   for (int64_t v = 0; v < nrv; ++v) store16(&s.inv[v * LANES], 1.f / s.l[v]);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t token = c.qstart[t.req] + t.q0 + r / c.G, head = t.g * c.G + r % c.G;
-    float* o = c.out + (token * c.H + head) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = s.ot[d * rp + r] * s.inv[r];
+    T* o = c.out + (token * c.H + head) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(s.ot[d * rp + r] * s.inv[r]);
   }
 }
 
 // q [T, H, D], the new tokens of every request one after another; k_buffer, v_buffer [num_slots,
-// KVH, D] with the new tokens' K/V already written; req_to_token [rows, W]; req_pool_indices,
-// prefix_lens, extend_lens [n] int64 -> [T, H, D].
+// KVH, D] with the new tokens' K/V already written, of q's dtype; req_to_token [rows, W];
+// req_pool_indices, prefix_lens, extend_lens [n] int64 -> [T, H, D] of q's dtype.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                             const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                             const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
               "extend_attention: q [T, H, D], k_buffer and v_buffer [num_slots, KVH, D]");
   for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
-                "extend_attention: q, k_buffer, v_buffer must be contiguous float32 CPU tensors");
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "extend_attention: q, k_buffer, v_buffer must be contiguous CPU tensors");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  k_buffer.scalar_type() == q.scalar_type() && v_buffer.scalar_type() == q.scalar_type(),
+              "extend_attention: q, k_buffer and v_buffer must be all float32 or all bfloat16; got ", q.scalar_type(),
+              ", ", k_buffer.scalar_type(), ", ", v_buffer.scalar_type());
   for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &prefix_lens, &extend_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "extend_attention: req_to_token, req_pool_indices, prefix_lens, extend_lens must be contiguous int64");
@@ -235,14 +264,21 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
         cost.push_back(cost.back() + nq * (prefix[i] + q0 + nq));
       }
   at::Tensor out = at::empty_like(q);
-  const Call call{q.data_ptr<float>(), k_buffer.data_ptr<float>(), v_buffer.data_ptr<float>(), out.data_ptr<float>(),
-                  table, rows, prefix, qstart.data(), W, H, G, D, KVH * D, static_cast<float>(scale)};
-  parallel_by_cost(cost, [&](int64_t first, int64_t last) {  // later blocks of a prompt see more keys
-    Scratch s;
-    s.zeros.assign(D, 0.f);
-    s.keys.resize(BK);
-    s.values.resize(BK);
-    for (int64_t w = first; w < last; ++w) run_task(call, tasks[w], s);
+  for_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const Call<T> call{q.data_ptr<T>(), k_buffer.data_ptr<T>(), v_buffer.data_ptr<T>(), out.data_ptr<T>(),
+                       table, rows, prefix, qstart.data(), W, H, G, D, KVH * D, static_cast<float>(scale)};
+    parallel_by_cost(cost, [&](int64_t first, int64_t last) {  // later blocks of a prompt see more keys
+      Scratch s;
+      s.zeros.assign(D, 0.f);
+      s.keys.resize(BK);
+      s.values.resize(BK);
+      if constexpr (!std::is_same_v<T, float>) {
+        s.kblock.resize(BK * D);
+        s.vblock.resize(BK * D);
+      }
+      for (int64_t w = first; w < last; ++w) run_task(call, tasks[w], s);
+    });
   });
   return out;
 }

@@ -7,8 +7,9 @@ grouped-query heads of several group sizes, head sizes the kernel's tiles divide
 extends after cached prefixes and from nothing, one-token extends, requests longer than a key block
 and than a task's rows, slots scattered over the pool, EXTEND and MIXED passes; that it reads no
 slot but each request's own; and that metadata which would read outside the pool or the table is
-refused with an error that says what is wrong, after which the next call still computes the same.
-Where no C++ compiler is here the tests skip and say so."""
+refused with an error that says what is wrong, after which the next call still computes the same;
+that a bfloat16 pool gets the float32 result rounded once; and which path a pool takes (a bfloat16
+one by the kernel unless the CPU has AMX). Where no C++ compiler is here the tests skip and say so."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from graph_helpers import built_kernel  # noqa: E402
 from s00_foundation.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from s04_paged_kv_pool.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from s04_paged_kv_pool.paged_backend import PagedAttentionBackend  # noqa: E402
-from s08_cuda_graph import decode_kernel  # noqa: E402
-from s08_cuda_graph.decode_attention import DecodeAttentionBackend  # noqa: E402
+from s08_cuda_graph import decode_attention, decode_kernel  # noqa: E402
+from s08_cuda_graph.decode_attention import DecodeAttentionBackend, ExtendMetadata  # noqa: E402
 
 # (prefix_len, extend_len) per request: from nothing, after a prefix, one new token after a prefix,
 # longer than a 64-key block, more rows than a task's 96, a long prefix
@@ -150,15 +151,43 @@ def test_fused_extend_refuses_metadata_outside_the_pool_or_table(kernel):
     assert torch.equal(backend.forward(q, k, v, 0, batch), expected), "a refused call changed what follows"
 
 
-def test_extend_path_follows_the_pool_and_the_kernel(kernel, monkeypatch):
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_a_bfloat16_pool_extends_as_its_float32_values_rounded_once(kernel, head_dim):
+    """On a bfloat16 pool (q, K and V in bfloat16) the kernel widens every value exactly and computes
+    in float32, so its output is the float32 call's on the same values, rounded once to bfloat16:
+    bit for bit (one head size a whole number of vectors, one not)."""
+    table, kv, batch, qkv = extend_case(9, 3, head_dim, REQUESTS)
+    q16 = qkv[0].to(torch.bfloat16)
+    k16, v16 = kv.k_buffer[0].to(torch.bfloat16), kv.v_buffer[0].to(torch.bfloat16)
+    meta = ExtendMetadata.of(batch)
+    args = (table.req_to_token, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, head_dim**-0.5)
+    got = kernel.extend_op(q16, k16, v16, *args)
+    expected = kernel.extend_op(q16.float(), k16.float(), v16.float(), *args).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16, f"a bfloat16 pool's extend should return bfloat16, returned {got.dtype}"
+    assert torch.equal(got, expected), (
+        f"{(got != expected).float().mean():.1%} of the outputs differ from the float32 call's on the same values, "
+        "rounded to bfloat16 (a bfloat16 widens to float32 exactly; the output should round once)"
+    )
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        kernel.extend_op(qkv[0], k16, v16, *args)
+
+
+def test_extend_path_follows_the_pool_the_cpu_and_the_kernel(kernel, monkeypatch):
     table, kv, _, _ = extend_case(4, 2, 16, [(0, 3)])
     assert DecodeAttentionBackend(table, kv).extend_path == "fused"
     bf16 = TokenToKVPool(8, 1, num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
-    path, reason = (
-        DecodeAttentionBackend(table, bf16).extend_path,
-        DecodeAttentionBackend(table, bf16).extend_path_reason,
-    )
-    assert path == "per-request" and "bfloat16" in reason, (path, reason)
+    for amx, expected in ((False, "fused"), (True, "per-request")):
+        monkeypatch.setattr(decode_attention, "cpu_has_amx", lambda amx=amx: amx)
+        backend = DecodeAttentionBackend(table, bf16)
+        assert backend.extend_path == expected, (
+            f"a bfloat16 pool on a CPU {'with' if amx else 'without'} AMX should extend by the "
+            f"{expected!r} path (PyTorch's SDPA multiplies bfloat16 faster only on AMX), took "
+            f"{backend.extend_path!r}: {backend.extend_path_reason}"
+        )
+        assert not amx or "AMX" in backend.extend_path_reason, backend.extend_path_reason
+    half = TokenToKVPool(8, 1, num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float16)
+    backend = DecodeAttentionBackend(table, half)
+    assert backend.extend_path == "per-request" and "float16" in backend.extend_path_reason
     monkeypatch.setattr(decode_kernel, "load", lambda: decode_kernel.DecodeKernel(None, "no C++ compiler (test)"))
     backend = DecodeAttentionBackend(table, kv)
     assert backend.extend_path == "per-request" and "no C++ compiler" in backend.extend_path_reason
