@@ -116,8 +116,9 @@ inline float hsum(vec16 x) {  // the sum of the 16 lanes, halving: 16 -> 8 -> 4 
 }
 
 // exp of 16 floats: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error
-// within float32's rounding; Horner's rule, one fused multiply-add a term), times 2^k written straight into the exponent bits. Inputs here are
-// score - max <= 0; below -87 the weight is under 1e-38 of the row's largest and comes out ~0.
+// within float32's rounding; Horner's rule, one fused multiply-add a term), times 2^k written
+// straight into the exponent bits. Inputs here are score - max <= 0; below -87 the weight is under
+// 1e-38 of the row's largest and comes out ~0.
 inline vec16 exp16(vec16 x) {
   const vec16 lowest = vec16{} - 87.f;
   x = x < lowest ? lowest : x;

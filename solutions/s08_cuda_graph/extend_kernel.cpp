@@ -220,7 +220,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer, con
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(),
               "extend_attention: q [T, H, D], k_buffer and v_buffer [num_slots, KVH, D]");
   for (const at::Tensor* t : {&q, &k_buffer, &v_buffer})
-    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "extend_attention: q, k_buffer, v_buffer must be contiguous CPU tensors");
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(),
+                "extend_attention: q, k_buffer, v_buffer must be contiguous CPU tensors");
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   k_buffer.scalar_type() == q.scalar_type() && v_buffer.scalar_type() == q.scalar_type(),
               "extend_attention: q, k_buffer and v_buffer must be all float32 or all bfloat16; got ", q.scalar_type(),

@@ -8,13 +8,12 @@
 //
 // The G query heads that share KV head g (grouped-query attention) are scored together (in groups
 // of up to 4, their queries held in registers), so a key is read from memory once for all of them,
-// not once per query head. A decode is bound by how
-// fast the pool streams from memory, so the loops are written for that: the next keys are
-// prefetched while the current ones are scored, and the arithmetic runs 16 floats at a time in
-// the compiler's portable vector type (AVX-512, 2 x AVX2, 4 x NEON: whatever the CPU has). And it
-// is kept to a few operations a key, or a bfloat16 pool (half the bytes) would wait on it instead:
-// sixteen keys' dot products are summed together (fold_keys), and a bfloat16 row is widened two
-// operations per 32 values (load_row).
+// not once per query head. A decode is bound by how fast the pool streams from memory, so the
+// loops are written for that: the next keys are prefetched while the current ones are scored, and
+// the arithmetic runs 16 floats at a time in the compiler's portable vector type (AVX-512, 2 x
+// AVX2, 4 x NEON: whatever the CPU has). And it is kept to a few operations a key, or a bfloat16
+// pool (half the bytes) would wait on it instead: sixteen keys' dot products are summed together
+// (fold_keys), and a bfloat16 row is widened two operations per 32 values (load_row).
 //
 // The pool may hold float32 or bfloat16 (the loops are templates over the stored type T: a
 // bfloat16 key is widened to float32 as it is loaded, which is exact), and the query and the output
@@ -40,7 +39,9 @@ namespace {
 using namespace cpu_kernel;
 
 constexpr int64_t PREFETCH_AHEAD = 8;   // keys ahead, into L1: this KV head's part of the key's row
-constexpr int64_t PREFETCH_ROWS = 16;   // keys ahead, into L2: the whole row, for the other heads' passes
+// keys ahead, into L2: the whole row, for the other heads' passes (with each pass reading its own
+// part from memory instead, a bfloat16 step took 1.3-1.5x as long; 32 or 64 rows ahead, no better)
+constexpr int64_t PREFETCH_ROWS = 16;
 
 template <typename Q, typename T>
 inline float dot(const Q* a, const T* b, int64_t n) {
@@ -195,10 +196,10 @@ __attribute__((always_inline)) inline void fold_keys(vec16 (&out)[G], const vec1
 
 // A group of G query heads of one KV head of one request: q [G, D] and out [G, D] its query heads,
 // slots its n table entries, k / v the pool buffers offset to this KV head (rows `row` values
-// apart), scores [G * n] and sums [G * D] scratch. A token's row holds every KV head's D floats side by side, and
-// the passes over one request's KV heads run one after another on a thread: so the pass over
-// head 0 (`first_pass`) also asks L2 for the whole row further ahead, and the later passes find
-// their part there.
+// apart), scores [G * n] and sums [G * D] scratch. A token's row holds every KV head's D values
+// side by side, and the passes over one request's KV heads run one after another on a thread: so
+// the pass over head 0 (`first_pass`) also asks L2 for the whole row further ahead, and the later
+// passes find their part there.
 // G and C (D = 16 * C) are known to the compiler, so q's G x C vectors and the G x C output sums
 // stay in registers while the keys and values stream past. With G read at run time every head's
 // query and output went through memory for every key: 29% more time with the pool in cache, 5-7%
@@ -215,9 +216,10 @@ void attend(const Q* q, const T* k, const T* v, const int64_t* slots, int64_t n,
     for (; j + LANES <= n; j += LANES) {
       vec16 dots[G];
       fold_keys<4>(dots, qv, k, slots, j, n, row, D, first_pass);
-      for (int64_t h = 0; h < G; ++h)  // lane i holds key bit_reversed(i): back in order (the reversal is its own inverse)
-        store16(scores + h * n + j,
-                scale * __builtin_shufflevector(dots[h], dots[h], 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15));
+      // lane i holds key bit_reversed(i): put back in order (the reversal is its own inverse)
+      for (int64_t h = 0; h < G; ++h)
+        store16(scores + h * n + j, scale * __builtin_shufflevector(dots[h], dots[h], 0, 8, 4, 12, 2, 10, 6, 14, 1,
+                                                                    9, 5, 13, 3, 11, 7, 15));
     }
   for (; j < n; ++j) {  // the last n % 16 keys one at a time (all of them when C = 0)
     if constexpr (C > 0) {
