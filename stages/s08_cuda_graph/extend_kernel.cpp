@@ -102,14 +102,14 @@ struct Call {
   T* out;
   const int64_t* table;      // req_to_token, width W
   const int64_t *rows, *prefix, *qstart;
-  int64_t W, H, G, D, row;   // row: floats per slot (KVH * D)
+  int64_t W, H, G, D, row;   // row: values per slot (KVH * D)
   float scale;
 };
 
-// This KV head's D values of slot `slot` as float32: in place for a float32 pool, else widened into
-// `block`'s row j.
+// This KV head's D values (a key or a value) of slot `slot` as float32: in place for a float32 pool,
+// else widened into `block`'s row j.
 template <typename T>
-inline const float* key_row(const T* buffer, int64_t slot, const Call<T>& c, int64_t g, std::vector<float>& block,
+inline const float* pool_row(const T* buffer, int64_t slot, const Call<T>& c, int64_t g, std::vector<float>& block,
                             int64_t j) {
   const T* x = buffer + slot * c.row + g * c.D;
   if constexpr (std::is_same_v<T, float>) {
@@ -146,8 +146,8 @@ void run_task(const Call<T>& c, const Task& t, Scratch& s) {
   for (int64_t j0 = 0; j0 < kend; j0 += BK) {
     const int64_t nk = std::min(BK, kend - j0), tiles = (nk + KT - 1) / KT;
     for (int64_t j = 0; j < tiles * KT; ++j) {  // keys past nk: a row of zeros, never used after
-      s.keys[j] = j < nk ? key_row(c.k, slots[j0 + j], c, t.g, s.kblock, j) : s.zeros.data();
-      s.values[j] = j < nk ? key_row(c.v, slots[j0 + j], c, t.g, s.vblock, j) : s.zeros.data();
+      s.keys[j] = j < nk ? pool_row(c.k, slots[j0 + j], c, t.g, s.kblock, j) : s.zeros.data();
+      s.values[j] = j < nk ? pool_row(c.v, slots[j0 + j], c, t.g, s.vblock, j) : s.zeros.data();
     }
     for (int64_t jt = 0; jt < tiles; ++jt)
       for (int64_t v = 0; v < nrv; v += TV) {
