@@ -124,9 +124,9 @@ def eager_extend_path(pool: torch.Tensor) -> tuple[str, str]:
     the arithmetic float32), and takes it except on a CPU with AMX: there PyTorch's SDPA (its CPU
     flash attention, whose products run in bfloat16 on the tile units) beat float32 arithmetic by
     1.6-2.5x wherever 128 or more new tokens met 512 or more keys. Without AMX its bfloat16 was
-    no faster than its float32, and the kernel 2.5-3x faster than either (512 new tokens after 1024
-    cached on the AMD EPYC host: 12.6 ms by SDPA, 4.4 by the kernel in float32; the s08 lesson has
-    the figures, ``tools/benchmark_extend.py --dtype bfloat16`` measures them here)."""
+    no faster than its float32, and the kernel 2.3-3.5x faster than it (512 new tokens after 1024
+    cached on the AMD EPYC host, all in bfloat16: 13.7 ms by SDPA, 4.7 by the kernel; the s08 lesson
+    has the figures, ``tools/benchmark_extend.py --dtype bfloat16`` measures them here)."""
     if pool.device.type != "cpu":
         return "per-request", f"the fused extend kernel is a CPU one, the pool is on {pool.device.type}"
     if pool.dtype not in decode_kernel.POOL_DTYPES:
