@@ -77,6 +77,19 @@ def exercise_location(excinfo) -> str:
     return location(frame_of(excinfo.traceback[-1]), REPO)
 
 
+def unwritten_exercise(excinfo) -> pytest.ExceptionInfo | None:
+    """The skeleton's ``NotImplementedError("Stage N: ...")`` that stopped a test, also where
+    another exception carries it: NotImplementedError is a RuntimeError, so a test's
+    ``pytest.raises(RuntimeError, match=...)`` catches it, and its failed match holds it as context."""
+    error, seen = excinfo.value, set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, NotImplementedError) and str(error).startswith("Stage "):
+            return pytest.ExceptionInfo.from_exception(error)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def earlier_stage_hint(item, message: str) -> str:
     """For an exercise of an earlier stage than the test's: how to test this stage without it."""
     marker, found = item.get_closest_marker("stage"), EXERCISE_STAGE.match(message)
@@ -112,18 +125,19 @@ def pytest_runtest_makereport(item, call):
             "ends where it was (PYTEST_TIMEOUT=SECONDS changes the limit; a later test found in the same "
             f"place is stopped at its ENGINE_STILL_RUNNING_S mark instead).\n\n{report.longrepr}"
         )
-    if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError):
-        message = str(call.excinfo.value)
-        if message.startswith("Stage "):
-            where, hint = exercise_location(call.excinfo), earlier_stage_hint(item, message)
-            waiting = item.config.stash.setdefault(NOT_WRITTEN, {})
-            if (where, message) in waiting:  # said in full at the first test that stopped there
-                report.longrepr = f"not written yet: {where} (the same exercise as above)"
-            else:
-                report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
-            waiting.setdefault((where, message), set()).add(item.nodeid)
-            if hint:
-                item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
+    unwritten = unwritten_exercise(call.excinfo) if call.excinfo is not None else None
+    if unwritten is not None:
+        message = str(unwritten.value)
+        where, hint = exercise_location(unwritten), earlier_stage_hint(item, message)
+        waiting = item.config.stash.setdefault(NOT_WRITTEN, {})
+        if (where, message) in waiting:  # said in full at the first test that stopped there
+            # (which may be printed below this one: errors in fixtures come before failures)
+            report.longrepr = f"not written yet: {where} (what to write: the summary at the end)"
+        else:
+            report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
+        waiting.setdefault((where, message), set()).add(item.nodeid)
+        if hint:
+            item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     return report
 
 

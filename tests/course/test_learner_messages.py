@@ -60,18 +60,27 @@ def test_an_unwritten_exercise_names_its_file_line_and_function():
     assert "REFERENCE_UPTO" not in out, "an exercise of the stage under test needs no hint about earlier stages"
     summary = out.split("exercises not written yet")[-1]
     assert "test(s) stop at stages/s04_paged_kv_pool/allocator.py:" in summary, out[-3000:]
-    # Among the failures, the exercise's text in full once, then "the same exercise as above".
+    # Among the failures, the exercise's text in full once, then a pointer to the summary.
     failures = out.split("FAILURES")[1].split("exercises not written yet")[0]
     # The one-line task and the README section that holds the idea, a first hint and the folded recipe.
     task = "-> Stage 4: give every request the slots of its new positions, filling its last page first"
     assert failures.count(f"{task} - see stages/s04_paged_kv_pool/README.md#what-you-write") == 1, failures[:3000]
-    assert "(the same exercise as above)" in failures, failures[:3000]
+    assert "(what to write: the summary at the end)" in failures, failures[:3000]
 
 
 def test_an_earlier_stages_exercise_says_how_to_test_without_it():
     out = learner_run("tests/stage04/test_static_batch.py::test_page_sizes_give_identical_tokens")
     assert "-> Stage 2: " in out, out[-3000:]
     assert "make stage-4 REFERENCE_UPTO=3" in out, out[-3000:]
+
+
+def test_an_unwritten_exercise_caught_by_a_tests_pytest_raises_is_still_named():
+    """NotImplementedError is a RuntimeError: a test expecting a RuntimeError of its own catches
+    the skeleton's, and its failed match must still read as the exercise not written yet."""
+    test = "tests/stage10/test_overlap_hard_cases.py::test_a_failed_forward_under_overlap_leaves_nothing_untrusted"
+    out = learner_run(f"{test}[1]", reference_upto=9)
+    assert "not written yet: stages/s10_overlap_scheduling/scheduler.py:" in out, out[-3000:]
+    assert "Regex pattern did not match" not in out, out[-3000:]
 
 
 def test_a_syntax_error_in_your_stage_is_short_and_named(tmp_path):
