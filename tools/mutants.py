@@ -575,10 +575,10 @@ MUTANTS: list[Mutant] = [
         "first come, first served: the first request that does not fit stops admission, nobody overtakes it",
         (
             (
-                """        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
-            req = self.waiting[0]""",
+                """        while self.waiting and len(self.reqs_holding_memory()) + len(admitted) < self.max_running_requests:
+            req = self.waiting[0]""",  # noqa: E501 (the reference's line)
                 """        for req in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.max_running_requests:
+            if len(self.reqs_holding_memory()) + len(admitted) >= self.max_running_requests:
                 break""",
             ),
             (
@@ -666,7 +666,7 @@ MUTANTS: list[Mutant] = [
         "s05_continuous_batching/scheduler.py",
         "admission stops at max_running_requests requests running at once",
         edit(
-            "        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:",
+            "        while self.waiting and len(self.reqs_holding_memory()) + len(admitted) < self.max_running_requests:",  # noqa: E501
             "        while self.waiting:",
         ),
         r"max_running_requests",

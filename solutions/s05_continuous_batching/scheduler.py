@@ -237,10 +237,10 @@ class Scheduler:
 
     def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
-        rows (max_running_requests), prompt tokens this step (``budget``, by default
-        max_prefill_tokens: the first request of a step may exceed it, as its only prefill) and
-        pool room, after keeping back what the running requests need (their next pass and
-        future_slots).
+        rows (max_running_requests, less those held: reqs_holding_memory), prompt tokens this
+        step (``budget``, by default max_prefill_tokens: the first request of a step may exceed
+        it, as its only prefill) and pool room, after keeping back what the running requests
+        need (their next pass and future_slots).
         If nothing runs, the first in line is admitted whenever its prefill fits, whatever its
         future needs. The first request that does not fit stops admission: no one overtakes
         it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage
@@ -251,7 +251,7 @@ class Scheduler:
         budget = self.max_prefill_tokens if budget is None else budget
         # BEGIN EXERCISE: admit waiting requests in order under the three budgets
         # [#admission-three-budgets-and-the-room-in-the-pool]
-        while self.waiting and len(self.running) + len(admitted) < self.max_running_requests:
+        while self.waiting and len(self.reqs_holding_memory()) + len(admitted) < self.max_running_requests:
             req = self.waiting[0]
             # At least the last token is computed: its logits give the next token (max_prefix_len).
             match = self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len])

@@ -224,10 +224,10 @@ class Scheduler:
 
     def admit_new_requests(self, scheduled: Sequence[Req] = (), budget: int | None = None) -> list[Req]:
         """Admit waiting requests, first come first served, while the budgets allow: request
-        rows (max_running_requests), prompt tokens this step (``budget``, by default
-        max_prefill_tokens: the first request of a step may exceed it, as its only prefill) and
-        pool room, after keeping back what the running requests need (their next pass and
-        future_slots).
+        rows (max_running_requests, less those held: reqs_holding_memory), prompt tokens this
+        step (``budget``, by default max_prefill_tokens: the first request of a step may exceed
+        it, as its only prefill) and pool room, after keeping back what the running requests
+        need (their next pass and future_slots).
         If nothing runs, the first in line is admitted whenever its prefill fits, whatever its
         future needs. The first request that does not fit stops admission: no one overtakes
         it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage

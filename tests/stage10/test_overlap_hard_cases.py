@@ -141,6 +141,31 @@ def test_aborts_in_flight_half_prefilled_and_waiting(tiny_models_root, disable_o
     assert_pool_free_after_tree(engine, what)
 
 
+def test_a_request_aborted_in_flight_keeps_its_table_row_from_admission(tiny_models_root):
+    """Two table rows, three requests: the third waits. The first is aborted while in the step in
+    flight: it leaves the running list at once, but its row is freed only when that step is
+    processed, so the next turn may not admit the third into it (a row counted free too early is
+    a PoolExhaustedError mid-admission, which fails every request of the step)."""
+    path = tiny_models_root / "llama3"
+    what = "llama3, 2 table rows, an abort in flight"
+    engine = engine_on(path, pool_size=512, max_running_requests=2)
+    prompts = [random_prompt(n, seed=90 + n) for n in (5, 8, 6)]
+    try:
+        reqs, _ = run_checked(engine, prompts, greedy(6), what, aborts={2: [0]})
+    except Exception as error:
+        if "PoolExhaustedError" not in type(error).__name__:
+            raise
+        raise AssertionError(
+            f"{what}: {error}\n  admission counted the aborted request's row as free while the step in flight still "
+            "held it: the rows in use are those of every request holding memory (reqs_holding_memory(): the ending "
+            "ones too), not only the running ones"
+        ) from None
+    assert reqs[0].finished_reason.type == "abort", f"{what}: request 0 should end aborted: {reqs[0].finished_reason}"
+    for i in (1, 2):
+        assert_same_tokens(reqs[i].output_ids, hf_greedy(path, prompts[i], 6), f"{what}: request {i} vs transformers")
+    assert_pool_free_after_tree(engine, what)
+
+
 @pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
 def test_an_abort_in_flight_leaves_every_token_it_computed_in_the_tree(tiny_models_root, disable_overlap):
     """Under overlap the step in flight has written the K/V of the aborted request's newest real
