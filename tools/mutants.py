@@ -1364,6 +1364,63 @@ MUTANTS: list[Mutant] = [
         r"chunk|retract|wait",
     ),
     Mutant(
+        "s10-wait-for-own-step",
+        "s10_overlap_scheduling/scheduler.py",
+        "a turn launches step N+1 and goes on: waiting for the step it just launched overlaps nothing",
+        edit(
+            "        launched = self.schedule_and_launch()\n        if self.last is not None:\n",
+            "        launched = self.schedule_and_launch()\n        if launched is not None:\n"
+            "            launched.result.result()\n        if self.last is not None:\n",
+        ),
+        r"did not return while the forward",
+    ),
+    Mutant(
+        "s10-wait-before-launch",
+        "s10_overlap_scheduling/scheduler.py",
+        "step N+1 is launched while step N's forward still runs; the CPU waits for step N only after that",
+        edit(
+            "            outputs += self.process_last()\n        launched = self.schedule_and_launch()\n",
+            "            outputs += self.process_last()\n        if self.last is not None:\n"
+            "            self.last.result.result()\n        launched = self.schedule_and_launch()\n",
+        ),
+        r"did not launch step 2 while step 1",
+    ),
+    Mutant(
+        "s10-idle-turn-skips-processing",
+        "s10_overlap_scheduling/scheduler.py",
+        "a turn that launches nothing still processes the step in flight (else the loop never ends)",
+        edit(
+            "        if self.last is not None:\n            outputs += self.process_last(next_batch=launched)",
+            "        if self.last is not None and launched is not None:\n"
+            "            outputs += self.process_last(next_batch=launched)",
+        ),
+        r"ended without processing the step that was in flight",
+    ),
+    Mutant(
+        "s10-release-in-flight-by-hand",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request in the step in flight keeps its table row until that step is processed (its forward reads it)",
+        (
+            (
+                "            if req.finished:\n                self.drop_future(req, future_id)",
+                "            if req.finished and req.req_pool_idx is None:\n"
+                "                self.dropped_tokens += 1\n                continue\n"
+                "            if req.finished:\n                self.drop_future(req, future_id)",
+            ),
+            (
+                "                if id(req) in in_flight:\n                    self.ending.append(req)\n"
+                '                else:\n                    self.release_req(req, "finished")',
+                "                if id(req) in in_flight:\n"
+                "                    row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]\n"
+                "                    first = pages_for(req.cached_len, self.page_size) * self.page_size\n"
+                "                    if first < req.device_len:\n"
+                "                        self.runner.allocator.free(row[first : req.device_len])\n"
+                '                self.release_req(req, "finished")',
+            ),
+        ),
+        r"in the step in flight but hold no table row",
+    ),
+    Mutant(
         "s10-resolve-unclamped",
         "s10_overlap_scheduling/future_map.py",
         "only negative ids are futures: a real token id must not be looked up in the buffer at all",
@@ -1467,6 +1524,28 @@ MUTANTS: list[Mutant] = [
             "timed_out = False",
         ),
         r"timeout|took longer|longer than",
+    ),
+    Mutant(
+        "s11-timed-out-future-asked",
+        "s11_structured_output/scheduler.py",
+        "a compilation that timed out is still running: asking its future for an error waits for it (a stalled loop)",
+        edit(
+            "            if timed_out or future.exception() is not None:",
+            "            if future.exception() is not None or timed_out:",
+        ),
+        r"waited for\s+a compilation still running",
+    ),
+    Mutant(
+        "s11-shared-matcher",
+        "s11_structured_output/scheduler.py",
+        "each request gets its own matcher (a copy of the compiled one): two requests of one schema are at two places",
+        edit(  # one Future per schema (the compile cache), so one Grammar per schema too: the mistake
+            "            req.grammar = self.grammar_backend.new_grammar(future.result())",
+            "            if not hasattr(future, 'grammar'):\n"
+            "                future.grammar = self.grammar_backend.new_grammar(future.result())\n"
+            "            req.grammar = future.grammar",
+        ),
+        r"share one grammar matcher|grammar has consumed",
     ),
     Mutant(
         "s11-schema-wrapper",

@@ -91,6 +91,7 @@ class LaunchedBatch:
     schedule: tuple[float, float]  # when the CPU built and launched it
     prefill_tokens: int  # prompt tokens it computes (counted at launch: settle moves the lengths on)
     retracted: list[Req] = field(default_factory=list)
+    processed: bool = False  # its results were processed (process_last)
 
 
 class OverlapScheduler(ChunkedPrefillScheduler):
@@ -114,6 +115,18 @@ class OverlapScheduler(ChunkedPrefillScheduler):
     def reqs_holding_memory(self) -> list[Req]:
         return super().reqs_holding_memory() + self.ending
 
+    def check_invariants(self) -> None:
+        """Stage 5's, and overlap's own: every request of the step in flight keeps its table row
+        until that step is processed, because its forward reads the row (released early, the row
+        could be handed to a request admitted meanwhile, and rewritten while the forward runs)."""
+        released = [req.rid for req in self.last.batch.reqs if req.req_pool_idx is None] if self.last else []
+        if released:
+            raise AssertionError(
+                f"request(s) {released} are in the step in flight but hold no table row: a request that ends while "
+                "a launched step still holds it is released when that step is processed (self.ending), not before"
+            )
+        super().check_invariants()
+
     # --- the loop -----------------------------------------------------------------------------------
 
     def step(self) -> list[TokenOutput]:
@@ -127,6 +140,21 @@ class OverlapScheduler(ChunkedPrefillScheduler):
             self.settle(launched)
             self.last = launched
             return self.process_last()
+        in_flight = self.last
+        outputs = self.overlapped_turn()
+        if in_flight is not None and not in_flight.processed:
+            # Its requests would wait forever for tokens that no later turn reads (or, kept in
+            # flight, every later turn would find the same): the loop would never end.
+            raise RuntimeError(
+                "a turn of the overlapped loop ended without processing the step that was in flight when it began: "
+                "every turn processes step N, after launching step N+1 (or before, when must_wait_for_last()), "
+                "also a turn whose schedule_and_launch() returned None"
+            )
+        return outputs
+
+    def overlapped_turn(self) -> list[TokenOutput]:
+        """The loop's body with overlap: launch step N+1, then process step N (the module
+        docstring's four parts); returns the outputs of the step(s) it processed."""
         # BEGIN EXERCISE: the overlapped order: launch step N+1, then process step N [#what-you-write]
         outputs: list[TokenOutput] = []
         if self.last is not None and self.must_wait_for_last():
@@ -207,6 +235,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         """Wait for the step in flight (if it is still running) and process its results.
         ``next_batch``: the step launched meanwhile, which may still read its requests' rows."""
         launched, self.last = self.last, None
+        launched.processed = True
         result = launched.result.result()  # the one place the CPU waits for the device
         start = self.clock()
         outputs = self.process_batch_result_overlap(launched, result, next_batch)

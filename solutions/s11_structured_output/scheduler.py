@@ -57,6 +57,28 @@ class GrammarScheduler(OverlapScheduler):
     def make_worker(self) -> GrammarWorker:
         return GrammarWorker(self.runner, self.future_map)
 
+    def check_invariants(self) -> None:
+        """Stage 10's, and the grammars': each request's grammar is its own (a matcher shared by
+        two requests is moved on by both) and has consumed exactly the tokens its request holds
+        (a future id in flight is not one yet)."""
+        reqs = [r for r in [*self.reqs_holding_memory(), *self.waiting] if r.grammar and not r.finished]
+        owners: dict[int, Req] = {}
+        for req in reqs:
+            other = owners.setdefault(id(req.grammar.matcher), req)
+            if other is not req:
+                raise AssertionError(
+                    f"requests {other.rid} and {req.rid} share one grammar matcher: each request needs its own "
+                    "(grammar_backend.new_grammar copies the compiled one), or both move it on"
+                )
+            held = sum(token_id >= 0 for token_id in req.output_ids)
+            if req.grammar.num_tokens != held:
+                raise AssertionError(
+                    f"request {req.rid}'s grammar has consumed {req.grammar.num_tokens} token(s), but the request "
+                    f"holds {held}: a request starts with a grammar of its own at its start (new_grammar), which "
+                    "consumes each of its tokens once"
+                )
+        super().check_invariants()
+
     # --- requests in and out ---------------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:

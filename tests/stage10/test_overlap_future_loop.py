@@ -4,7 +4,9 @@
 - with overlap, step N+1 is launched before step N's results are processed, a decoding request
   feeds a future id (negative) that is resolved at the start of the forward, and the forward
   runs on the worker thread; without overlap, each step is processed before the next is built
-  and no future id is ever fed.
+  and no future id is ever fed;
+- a turn of the loop returns while the step it launched still runs, and launches step N+1 while
+  step N's forward still runs (the forward is held by the test to see it).
 """
 
 from __future__ import annotations
@@ -113,10 +115,65 @@ def test_step_n_plus_1_is_launched_before_step_n_is_processed(tiny_models_root, 
     assert all(thread is not threading.main_thread() for _, _, thread in passes), (
         "the forward must run on the worker thread"
     )
-    assert (
-        req.output_ids
-        == engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    stage8 = engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    assert req.output_ids == stage8, (
+        f"with overlap the request got {req.output_ids}, stage 8 gives {stage8}: each turn processes step N after "
+        "launching step N+1, and only then settles step N+1 (the requests that finished in step N get no future id)"
     )
+
+
+HELD_WAIT_S = 30  # a turn that does not wait for the held forward returns in milliseconds
+
+
+def test_a_turn_returns_while_the_step_it_launched_still_runs(tiny_models_root):
+    """The point of overlap: a turn hands step N+1 to the worker and goes on; the CPU waits only
+    for step N's results, after launching step N+1. The forward is held until the test lets it go."""
+    path = tiny_models_root / "llama3"
+    engine = engine_on(path, pool_size=512)
+    scheduler, real_forward, real_launch = engine.scheduler, engine.runner.forward, engine.scheduler.schedule_and_launch
+    gate, second_launched, launches = threading.Event(), threading.Event(), []
+
+    def held_forward(batch):
+        gate.wait()
+        return real_forward(batch)
+
+    def schedule_and_launch():
+        launched = real_launch()
+        if launched is not None:
+            launches.append(launched)
+            if len(launches) == 2:
+                second_launched.set()
+        return launched
+
+    def turn():
+        with torch.inference_mode():  # per thread
+            engine.step()
+
+    engine.runner.forward, scheduler.schedule_and_launch = held_forward, schedule_and_launch
+    req = engine.add_request(random_prompt(7, seed=3), greedy(4))
+    try:
+        first = threading.Thread(target=turn, daemon=True)
+        first.start()
+        first.join(HELD_WAIT_S)
+        assert not first.is_alive(), (
+            "the first step() did not return while the forward of the step it launched was held: it waited for that "
+            "step's results. With overlap a turn launches step N+1 and goes on; it waits only for step N, and there "
+            "is no step N before the first"
+        )
+        second = threading.Thread(target=turn, daemon=True)
+        second.start()
+        assert second_launched.wait(HELD_WAIT_S), (
+            "the second step() did not launch step 2 while step 1's forward was still running: a turn schedules and "
+            "launches step N+1 first, and only then waits for step N's results (unless must_wait_for_last())"
+        )
+    finally:
+        gate.set()
+    second.join()
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+    stage8 = engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    assert req.output_ids == stage8, f"with the forward held, the request got {req.output_ids}; stage 8: {stage8}"
 
 
 def test_between_steps_a_decoding_request_ends_with_a_future_id(tiny_models_root):

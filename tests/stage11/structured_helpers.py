@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 
+from invariants import check_all
 from reference import engine_model, engine_tokenizer
 from s11_structured_output.engine import Engine
 from s11_structured_output.sampling_params import StructuredSamplingParams
@@ -68,6 +69,19 @@ REGEXES = [r"(yes|no)", r"[A-Z][a-z]{1,5}-[0-9]{2,4}", r"[0-9]{3}-[0-9]{4}", r"(
 
 def engine_on(path, **knobs) -> Engine:
     return Engine(engine_model(str(path)), engine_tokenizer(str(path)), **knobs)
+
+
+def check_every_step(engine: Engine, what: str) -> Engine:
+    """``engine``, its memory and grammar invariants checked after every step (generate's too)."""
+    step = engine.step
+
+    def checked_step():
+        outputs = step()
+        check_all(engine, what)
+        return outputs
+
+    engine.step = checked_step  # type: ignore[method-assign]
+    return engine
 
 
 def constrained(kind: str, spec, temperature: float = 0, seed: int | None = None, max_new_tokens: int = 60):

@@ -9,7 +9,9 @@ ends its request too, rather than leave it waiting forever."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -26,47 +28,55 @@ def engine(tiny_models_root):
 
 
 def run_until_idle(engine, max_steps: int = 2000) -> list:
+    """Step until idle, the invariants checked after every step; returns every output."""
     outputs: list = []
     with torch.inference_mode():
-        for _ in range(max_steps):
+        for step in range(max_steps):
             if not engine.has_work:
                 return outputs
             outputs += engine.step()
+            check_all(engine, f"after step {step + 1}")
     raise AssertionError(f"the engine still had work after {max_steps} steps")
+
+
+@dataclass
+class Hold:
+    compiled_here: list = field(default_factory=list)  # keys compiled on the thread that steps the engine
+    outlasted: threading.Event = field(default_factory=threading.Event)  # the hold ran to at_most_s
 
 
 @contextlib.contextmanager
 def compilation_held(engine, key: tuple[str, str], at_most_s: float):
-    """The grammar backend's compilation of ``key`` waits until the block ends (or ``at_most_s``).
-    A compilation on the thread that entered the block (the one that adds requests and steps the
-    engine) does not wait: its key goes into the list the block gets."""
+    """The grammar backend's compilation of ``key`` waits until the block ends (or ``at_most_s``:
+    then ``outlasted`` is set). A compilation on the thread that entered the block (the one that
+    adds requests and steps the engine) does not wait: its key goes into ``compiled_here``."""
     backend = engine.scheduler.grammar_backend
-    release = threading.Event()
+    release, hold = threading.Event(), Hold()
     compile_ = backend.compile
-    caller, on_caller = threading.get_ident(), []
+    caller = threading.get_ident()
 
     def held_compile(k):
         if threading.get_ident() == caller:
-            on_caller.append(k)
-        elif k == key:
-            release.wait(at_most_s)
+            hold.compiled_here.append(k)
+        elif k == key and not release.wait(at_most_s):
+            hold.outlasted.set()
         return compile_(k)
 
     backend.compile = held_compile
     try:
-        yield on_caller
+        yield hold
     finally:
         release.set()
         backend.compile = compile_
 
 
 def test_a_compiling_request_does_not_block_the_others(engine):
-    with compilation_held(engine, ("regex", REGEXES[3]), at_most_s=30) as compiled_here:
+    with compilation_held(engine, ("regex", REGEXES[3]), at_most_s=30) as hold:
         slow = engine.add_request([72, 73], constrained("regex", REGEXES[3]))
         free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
         fast = engine.add_request([76, 77], constrained("json", SCHEMAS["optional"]))
-        assert not compiled_here, (
-            f"the grammars {compiled_here} compiled on the thread that added the requests (the scheduler's own): "
+        assert not hold.compiled_here, (
+            f"the grammars {hold.compiled_here} compiled on the thread that added the requests (the scheduler's own): "
             "the backend's get() starts a compilation on its pool and returns the Future at once, so that one slow "
             "grammar never blocks the scheduler"
         )
@@ -95,14 +105,19 @@ def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
     of keeping it, and its client, waiting forever; the requests beside it run as usual."""
     engine = engine_on(tiny_models_root / "qwen3", pool_size=1024, grammar_timeout=0.3)
     # held far past the timeout: a missed timeout shows as a request that ran on its late grammar
-    with compilation_held(engine, ("regex", REGEXES[2]), at_most_s=10):
+    with compilation_held(engine, ("regex", REGEXES[2]), at_most_s=30) as hold:
         stuck = engine.add_request([72, 73], constrained("regex", REGEXES[2]))
         free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
         outputs = run_until_idle(engine, max_steps=20000)  # a step without work waits a little for a compilation
+        assert not hold.outlasted.is_set(), (
+            "the engine went idle only once the held compilation was let go (after 30 s): the scheduler waited for "
+            "a compilation still running. future.exception() and future.result() wait for it: ask them only of a "
+            "future that is done (a timed-out one is not)"
+        )
     assert stuck.finished_reason is not None and stuck.finished_reason.type == "abort" and not stuck.output_ids, (
         f"a grammar still compiling after grammar_timeout=0.3 s should abort its request, with no tokens: {stuck}"
     )
-    assert stuck.grammar_error and "longer than" in stuck.grammar_error, (
+    assert stuck.grammar_error and re.search("longer than|took|timed? ?out|timeout", stuck.grammar_error), (
         f"its grammar_error should say the grammar took longer than grammar_timeout: {stuck.grammar_error!r}"
     )
     assert any(out.rid == stuck.rid and out.finish_reason.type == "abort" for out in outputs), (

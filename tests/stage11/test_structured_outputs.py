@@ -24,7 +24,7 @@ from s02_request_and_sampling.sampling_params import SamplingParams
 from s11_structured_output.grammar_backend import GrammarBackend
 from s11_structured_output.sampling_params import GrammarKey, canonical_schema
 from s11_structured_output.vocab_mask import apply_token_bitmask
-from structured_helpers import REGEXES, SCHEMAS, assert_follows, constrained, engine_on
+from structured_helpers import REGEXES, SCHEMAS, assert_follows, check_every_step, constrained, engine_on
 
 
 def test_the_bitmask_masks_exactly_the_forbidden_tokens():
@@ -74,6 +74,7 @@ def outputs_by_mode(tiny_llama):
     results = {}
     for disable_overlap in (False, True):
         engine = engine_on(tiny_llama, disable_overlap=disable_overlap, pool_size=2048)
+        check_every_step(engine, f"the workload, {'no overlap' if disable_overlap else 'overlap'}")
         results[disable_overlap] = engine, engine.generate(prompts, params)
     return results, specs
 
@@ -194,7 +195,8 @@ def test_retraction_rolls_the_grammar_back_and_changes_nothing(outputs_by_mode, 
     for i, (got, want) in enumerate(zip(outputs, outputs_by_mode[0][False][1])):
         assert got.output_ids == want.output_ids, (
             f"request {i}: retracted and readmitted, it produced {got.output_ids} instead of {want.output_ids}; "
-            "a retracted request keeps its tokens, so its grammar must be rolled back to exactly those"
+            "a retracted request keeps its tokens and its grammar at exactly those (release_req rolls it back to "
+            "len(output_ids), and does not drop it)"
         )
     check_all(engine, "after retractions")
 

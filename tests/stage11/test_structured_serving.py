@@ -131,8 +131,8 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
             "bogus",
         ),
         ({"regex": "[0-9"}, "regex", "unclosed"),
-        ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "cannot both"),
-        ({"response_format": {"type": "xml"}}, "response_format", "not supported"),
+        ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
         ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict", "not a field"),
         ({"response_format": {"type": "text", "foo": 1}}, "response_format.foo", "not a field"),
@@ -141,7 +141,7 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
             "response_format.json_schema.scheme",
             "not a field",
         ),
-        ({"regex": "a+", "min_tokens": 3}, "regex", "min_tokens cannot be used with a grammar"),
+        ({"regex": "a+", "min_tokens": 3}, "regex", "min_tokens.*grammar"),
     ],
     ids=[
         "bad-schema",
@@ -159,9 +159,11 @@ def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param,
     request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, **body}
     response = post(server, "/v1/chat/completions", request)
     error = response.json().get("error", {}) if response.status_code == 400 else {}
-    assert response.status_code == 400 and error.get("param") == param and words in error.get("message", ""), (
-        f"{body}: expected a 400 on {param!r} mentioning {words!r}; got {response.status_code} {response.text[:300]}"
-    )
+    assert (
+        response.status_code == 400
+        and error.get("param") == param
+        and re.search(words, error.get("message", ""), re.IGNORECASE)
+    ), f"{body}: expected a 400 on {param!r} matching {words!r}; got {response.status_code} {response.text[:300]}"
     assert server.health().status_code == 200, "the server should serve on after a refused grammar"
 
 
@@ -329,7 +331,7 @@ def test_the_openai_client_reads_the_calls(server):
     "fields, words",
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "bogus"),
-        ({"min_tokens": 3}, "min_tokens cannot be used with a grammar"),
+        ({"min_tokens": 3}, "min_tokens.*grammar"),
     ],
     ids=["bad-schema", "min-tokens"],
 )
@@ -337,6 +339,6 @@ def test_a_forced_call_that_cannot_be_served_is_a_400(server, fields, words):
     body = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "max_tokens": 5}
     response = post(server, "/v1/chat/completions", {**body, "tool_choice": "required", **fields})
     error = response.json().get("error", {})
-    assert response.status_code == 400 and error.get("param") == "tool_choice" and words in error["message"], (
-        f"{fields}: expected a 400 on tool_choice saying {words!r}; got {response.status_code} {error}"
+    assert response.status_code == 400 and error.get("param") == "tool_choice" and re.search(words, error["message"]), (
+        f"{fields}: expected a 400 on tool_choice matching {words!r}; got {response.status_code} {error}"
     )
