@@ -27,22 +27,14 @@ import llguidance.hf
 import llguidance.numpy
 import torch
 
+from .grammar_check import PARSER_LIMITS, GrammarError, grammar_text
 from .sampling_params import GrammarKey
 
 COMPILE_THREADS = 2  # grammars compiled at once (llguidance drops the GIL while it compiles)
-# llguidance's own bounds on the work one grammar may cause (its defaults are 1M / 500k): with
-# them a hostile schema fails in bounded time instead of compiling for minutes.
-PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000)
-# The JSON the model may write: compact (no free whitespace), so a model cannot pad forever
-JSON_OPTIONS = {"whitespace_flexible": False}
 # How much the cache of compiled grammars keeps (GrammarCache). A compiled grammar measured ~48 KB
 # plus ~35 bytes per character of its text (SmolLM2's 49k vocabulary), so at most ~12 + 35 MB.
 CACHE_MAX_GRAMMARS = 256
 CACHE_MAX_CHARS = 1_000_000
-
-
-class GrammarError(ValueError):
-    """A schema or regex that does not compile; the message says what is wrong."""
 
 
 def library_reason(reason: str) -> str:
@@ -56,26 +48,6 @@ def library_reason(reason: str) -> str:
     if "limits." in reason or "too many" in reason:
         return f"{reason.split(';')[0]}: the grammar is too large or complex for this server's limits; simplify it"
     return reason
-
-
-def grammar_text(key: GrammarKey) -> str:
-    """llguidance's grammar for ``key``. Raises GrammarError for a malformed one."""
-    kind, text = key
-    try:
-        if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-        return llguidance.LLMatcher.grammar_from_regex(text)
-    except ValueError as error:
-        raise GrammarError(f"{kind}: {error}") from None
-
-
-def check_grammar(key: GrammarKey) -> None:
-    """Raise GrammarError unless ``key`` compiles (no tokenizer needed: the server's front end
-    calls this to answer 400 before the request reaches the scheduler)."""
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(key), limits=llguidance.LLParserLimits(**PARSER_LIMITS))
-    if error:
-        kind = "JSON schema" if key[0] == "json" else "regex"
-        raise GrammarError(f"invalid {kind}: {error}")
 
 
 class Grammar:

@@ -7,24 +7,21 @@
 
 Stage 9's server calls ``structured_params`` only when a request asks for one of them (it imports
 this module then, and only when it serves this stage's engine). The grammar is checked here, in
-the HTTP server's process, on a thread and with a time limit, so a malformed or hostile schema
-gets a 400 naming the problem and never reaches, or stalls, the tokenizer or the scheduler.
+the HTTP server's process, by worker processes with a time and a memory limit
+(grammar_check.py), so a malformed or hostile schema gets a 400 naming the problem and never
+reaches, or stalls, the tokenizer or the scheduler.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any
 
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s09_zmq_serving.protocol import InvalidRequest, in_api_words
 
-from .grammar_backend import GrammarError, check_grammar
+from .grammar_check import GrammarCheckBusy, GrammarChecker, GrammarError
 from .sampling_params import JSON_OBJECT_SCHEMA, StructuredSamplingParams
-
-CHECK_TIMEOUT_S = 5.0  # a grammar whose check takes longer is refused (llguidance's limits bound it anyway)
-
 
 # The fields OpenAI defines in each kind of response_format (json_schema's own object too): any
 # other key is refused, as an unknown top-level field is, so that a typo cannot pass unnoticed
@@ -82,10 +79,11 @@ def grammar_fields(response_format: dict[str, Any] | None, regex: str | None) ->
 
 
 async def structured_params(
-    params: SamplingParams, response_format: dict[str, Any] | None, regex: str | None
+    params: SamplingParams, response_format: dict[str, Any] | None, regex: str | None, checker: GrammarChecker
 ) -> SamplingParams:
-    """``params`` with the request's grammar, checked (off the event loop, within CHECK_TIMEOUT_S).
-    Raises InvalidRequest (a 400) for a grammar that is malformed, does not compile or takes too long."""
+    """``params`` with the request's grammar, checked by ``checker`` (off the event loop, in its
+    time and memory limits). Raises InvalidRequest: a 400 for a grammar that is malformed, does
+    not compile or passes a limit; a 503 (retry) when every check was busy."""
     check_response_format_keys(response_format)
     fields = grammar_fields(response_format, regex)
     if not fields:
@@ -96,9 +94,11 @@ async def structured_params(
     except ValueError as error:
         raise InvalidRequest(in_api_words(str(error)), param=param) from None  # min_tokens, not min_new_tokens
     try:
-        await asyncio.wait_for(asyncio.to_thread(check_grammar, structured.grammar_key), CHECK_TIMEOUT_S)
+        await checker.check(structured.grammar_key)
     except GrammarError as error:
         raise InvalidRequest(str(error), param=param) from None
-    except TimeoutError:
-        raise InvalidRequest(f"the grammar took longer than {CHECK_TIMEOUT_S} s to check", param=param) from None
+    except GrammarCheckBusy as error:
+        raise InvalidRequest(
+            str(error), param=param, status_code=503, type="server_error", headers={"Retry-After": "1"}
+        ) from None
     return structured

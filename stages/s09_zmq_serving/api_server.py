@@ -27,7 +27,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable, Literal
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -62,6 +62,9 @@ from .request_guard import RequestGuard
 from .server_args import ServerArgs
 from .tool_calls import ToolCallParser, read_whole, resolve_tool_choice, stream_delta, tool_call_schema
 from .worker_loop import INJECTED, Heartbeats
+
+if TYPE_CHECKING:  # stage 11's, imported when a request first asks for a grammar
+    from s11_structured_output.grammar_check import GrammarChecker
 
 SHUTTING_DOWN = "the server is shutting down; the request was cut short"
 METRICS_TIMEOUT_S = 10  # a scrape waits this long for the scheduler (Prometheus' own default scrape_timeout)
@@ -155,6 +158,7 @@ class OpenAIServing:
         self.client: EngineClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServerMetrics(self.model_names[0]) if server_args.enable_metrics else None
+        self.grammar_checker: GrammarChecker | None = None
 
     def fail_all_from_any_thread(self, message: str, status: int) -> None:
         """Answer every request in flight, and every later one, with ``message`` (the launcher's
@@ -233,9 +237,12 @@ class OpenAIServing:
                 "stage 11's engine; this server runs stage 8's (--disable-overlap)",
                 param="regex" if regex is not None else "response_format",
             )
+        from s11_structured_output.grammar_check import GrammarChecker
         from s11_structured_output.response_format import structured_params
 
-        return await structured_params(params, response_format, regex)
+        if self.grammar_checker is None:  # its worker processes start with the first constrained request
+            self.grammar_checker = GrammarChecker()
+        return await structured_params(params, response_format, regex, self.grammar_checker)
 
     def timed_out(self) -> InvalidRequest:
         return InvalidRequest(
@@ -374,6 +381,8 @@ def create_app(
         reader = asyncio.create_task(client.reader_loop())
         yield
         reader.cancel()
+        if serving.grammar_checker is not None:
+            serving.grammar_checker.close()
 
     app = FastAPI(
         title="build-an-inference-engine, stage 9", lifespan=lifespan, default_response_class=OpenAIJSONResponse

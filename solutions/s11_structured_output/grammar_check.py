@@ -1,0 +1,173 @@
+"""Checking a request's grammar before it is served, in worker processes that can be stopped.
+
+The server checks each grammar before its request reaches the scheduler, so a schema that does
+not compile is a 400 naming the problem. llguidance bounds most of the work a grammar can cause
+(``PARSER_LIMITS``), but not all of it: deciding whether an intersection of patterns (a JSON
+schema's ``allOf`` of several ``pattern`` strings) can match anything takes time and memory that
+roughly double with each pattern (measured on a 2-core machine: 16 patterns 1.5 s and 0.1 GB, 18
+patterns 5 s and 0.5 GB, 22 patterns over 5 GB within a minute), and no limit of the library
+stops it. A thread cannot be stopped, so the checks run in a few worker processes
+(``GrammarChecker``), each under a cap on its memory (``RLIMIT_AS``, where the system has it):
+
+- a check that outlasts ``timeout_s`` is a 400 ("took longer than"), and its worker is killed;
+- a check that passes the cap kills its worker (the library cannot allocate): a 400 too;
+- either worker is replaced, so the next request finds the same number of workers;
+- a request that finds every worker busy for ``timeout_s`` gets a 503 with Retry-After: the
+  server is busy, which is not the fault of its grammar.
+
+This module imports only llguidance (no torch), so a worker starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+if TYPE_CHECKING:
+    from .sampling_params import GrammarKey
+
+# llguidance's own bounds on the work one grammar may cause (its defaults are 1M / 500k): with
+# them most hostile schemas fail in bounded time instead of compiling for minutes.
+PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000)
+# The JSON the model may write: compact (no free whitespace), so a model cannot pad forever
+JSON_OPTIONS = {"whitespace_flexible": False}
+CHECK_WORKERS = 2  # grammars checked at once
+CHECK_TIMEOUT_S = 5.0  # a check that takes longer is refused; a request waits for a free worker as long
+CHECK_MEMORY_BYTES = 1 << 30  # a worker's address space (a check of an ordinary schema uses a few MB)
+
+
+class GrammarError(ValueError):
+    """A schema or regex that does not compile; the message says what is wrong."""
+
+
+class GrammarCheckBusy(RuntimeError):
+    """Every worker stayed busy for the whole wait: the server is busy, not the grammar wrong."""
+
+
+def grammar_text(key: GrammarKey) -> str:
+    """llguidance's grammar for ``key``. Raises GrammarError for a malformed one."""
+    kind, text = key
+    try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    except ValueError as error:
+        raise GrammarError(f"{kind}: {error}") from None
+
+
+def check_grammar(key: GrammarKey) -> None:
+    """Raise GrammarError unless ``key`` compiles (no tokenizer needed). In this process: the
+    server calls it through ``GrammarChecker``, which bounds its time and memory."""
+    error = llguidance.LLMatcher.validate_grammar(grammar_text(key), limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+    if error:
+        kind = "JSON schema" if key[0] == "json" else "regex"
+        raise GrammarError(f"invalid {kind}: {error}")
+
+
+def serve_checks(conn: Connection, memory_bytes: int) -> None:
+    """A worker's loop: a key in, None (it compiles) or the reason it does not, out."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    except (ImportError, ValueError, OSError):
+        pass  # no such limit here (Windows; macOS may refuse it): the time limit still holds
+    conn.send("ready")
+    while True:
+        try:
+            key = conn.recv()
+        except (EOFError, OSError):
+            return  # the server is gone
+        try:
+            check_grammar(key)
+            conn.send(None)
+        except GrammarError as error:
+            conn.send(str(error))
+        except MemoryError:
+            conn.send(f"the grammar needs more than {memory_bytes >> 20} MB to check; simplify it")
+
+
+class CheckWorker:
+    """One worker process and the server's end of its pipe."""
+
+    def __init__(self, memory_bytes: int):
+        self.conn, child = mp.Pipe()
+        self.process = mp.get_context("spawn").Process(
+            target=serve_checks, args=(child, memory_bytes), name="grammar-check", daemon=True
+        )
+        self.process.start()
+        child.close()
+        if not self.conn.poll(60) or self.conn.recv() != "ready":  # its imports, before any check's clock starts
+            self.stop()
+            raise RuntimeError("a grammar check worker did not start within 60 s")
+
+    def check(self, key: GrammarKey, timeout_s: float) -> tuple[bool, str | None]:
+        """(whether the worker lives on, the reason the grammar is refused or None)."""
+        self.conn.send(key)
+        if not self.conn.poll(timeout_s):
+            return False, f"the grammar took longer than {timeout_s:g} s to check; simplify it"
+        try:
+            return True, self.conn.recv()
+        except (EOFError, OSError):  # it died: the memory cap (the library aborts when it cannot allocate)
+            return False, "the grammar needs more memory to check than this server allows; simplify it"
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+
+class GrammarChecker:
+    """``workers`` processes that check grammars, each check within ``timeout_s`` and
+    ``memory_bytes``; ``check`` is awaited on the server's event loop."""
+
+    def __init__(
+        self, workers: int = CHECK_WORKERS, timeout_s: float = CHECK_TIMEOUT_S, memory_bytes: int = CHECK_MEMORY_BYTES
+    ):
+        self.workers, self.timeout_s, self.memory_bytes = workers, timeout_s, memory_bytes
+        self.idle: asyncio.Queue[CheckWorker] | None = None  # made on the event loop, at the first check
+        self.all: set[CheckWorker] = set()
+        self.replacing: set[asyncio.Task[Any]] = set()
+
+    async def check(self, key: GrammarKey) -> None:
+        """Return if ``key`` compiles; GrammarError saying why not (or that it took too long or
+        too much memory); GrammarCheckBusy if no worker was free within ``timeout_s``."""
+        if self.idle is None:
+            self.idle = asyncio.Queue()
+            for _ in range(self.workers):
+                self.idle.put_nowait(await self.start_worker())
+        try:
+            worker = await asyncio.wait_for(self.idle.get(), self.timeout_s)
+        except TimeoutError:
+            raise GrammarCheckBusy(
+                f"all {self.workers} grammar checks of this server were busy for {self.timeout_s:g} s; retry"
+            ) from None
+        lives, refused = await asyncio.to_thread(worker.check, key, self.timeout_s)
+        if lives:
+            self.idle.put_nowait(worker)
+        else:
+            self.all.discard(worker)
+            await asyncio.to_thread(worker.stop)
+            task = asyncio.create_task(self.replace())
+            self.replacing.add(task)
+            task.add_done_callback(self.replacing.discard)
+        if refused is not None:
+            raise GrammarError(refused)
+
+    async def start_worker(self) -> CheckWorker:
+        worker = await asyncio.to_thread(CheckWorker, self.memory_bytes)
+        self.all.add(worker)
+        return worker
+
+    async def replace(self) -> None:
+        assert self.idle is not None
+        self.idle.put_nowait(await self.start_worker())
+
+    def close(self) -> None:
+        for worker in self.all:
+            worker.stop()
+        self.all.clear()

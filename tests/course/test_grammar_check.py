@@ -1,0 +1,86 @@
+"""The server's grammar checks run in worker processes that a hostile schema cannot outgrow.
+
+An ``allOf`` of ``pattern`` strings makes llguidance decide whether their intersection matches
+anything, at a cost that roughly doubles per pattern and that none of its limits stops (22
+patterns took over 5 GB of the API server's memory within a minute, in a thread that could not be
+stopped). Here: such a check is refused at the time limit, or when its worker passes the memory
+cap, the worker is replaced and the next check is served; a request that finds every worker busy
+is told to retry (GrammarCheckBusy, a 503), not that its grammar is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from s11_structured_output.grammar_check import GrammarCheckBusy, GrammarChecker, GrammarError
+
+
+def patterns(n: int) -> tuple[str, str]:
+    """A JSON-schema key whose check costs time and memory exponential in ``n``."""
+    schema = {"allOf": [{"type": "string", "pattern": f".*{chr(97 + i)}.*"} for i in range(n)]}
+    return ("json", json.dumps(schema))
+
+
+GOOD = ("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_check_past_the_time_limit_is_refused_and_its_worker_replaced():
+    async def scenario():
+        checker = GrammarChecker(workers=1, timeout_s=1.0)
+        try:
+            await checker.check(GOOD)
+            [first] = checker.all
+            started = time.monotonic()
+            with pytest.raises(GrammarError, match="took longer than 1 s"):
+                await checker.check(patterns(24))  # minutes and gigabytes, unbounded
+            took = time.monotonic() - started
+            assert took < 15, f"the hostile check was answered after {took:.1f} s, not at the 1 s limit"
+            assert not first.process.is_alive(), "the worker running the hostile check must be killed"
+            await checker.check(GOOD)  # waits for the replacement
+            assert len(checker.all) == 1 and first not in checker.all
+            with pytest.raises(GrammarError, match="unclosed"):
+                await checker.check(("regex", "[0-9"))
+        finally:
+            checker.close()
+        assert not any(worker.process.is_alive() for worker in [first])
+
+    run(scenario())
+
+
+def test_a_check_past_the_memory_cap_ends_its_worker_not_the_server():
+    async def scenario():
+        # 18 patterns need ~0.5 GB within ~5 s here: under a 256 MB cap the worker dies first
+        checker = GrammarChecker(workers=1, timeout_s=60.0, memory_bytes=256 << 20)
+        try:
+            with pytest.raises(GrammarError, match="memory|took longer"):
+                await checker.check(patterns(20))
+            await checker.check(GOOD)
+        finally:
+            checker.close()
+
+    run(scenario())
+
+
+def test_every_worker_busy_is_a_retry_not_a_refused_grammar():
+    async def scenario():
+        checker = GrammarChecker(workers=1, timeout_s=0.5)
+        try:
+            await checker.check(GOOD)
+            assert checker.idle is not None
+            held = await checker.idle.get()  # the only worker, busy elsewhere
+            with pytest.raises(GrammarCheckBusy, match="retry"):
+                await checker.check(GOOD)
+            checker.idle.put_nowait(held)
+            await checker.check(GOOD)
+        finally:
+            checker.close()
+
+    run(scenario())
