@@ -68,10 +68,11 @@ def install_error_handlers(app: FastAPI) -> None:
             if isinstance(part, str) and (part in UNION_TAGS or not FIELD_NAME.fullmatch(part)):
                 break  # pydantic names the union member it tried ("float", "list[str]"): not a field
             loc.append(str(part))
-        if first.get("type") == "json_invalid":
-            return error_response(
-                400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-            )
+        if first.get("type") == "json_invalid":  # FastAPI puts the character the parser stopped at in loc
+            position = first.get("loc", ())[1:]
+            at = f" at character {position[0]}" if position and isinstance(position[0], int) else ""
+            why = first.get("ctx", {}).get("error", first["msg"])
+            return error_response(400, f"the request body is not valid JSON{at}: {why}")
         if not first.get("loc", ())[1:] and first.get("type") in ("model_attributes_type", "dict_type"):
             # the body parsed, but to something other than an object: a list, a number, or (sent
             # without the JSON content type) a string FastAPI never parsed

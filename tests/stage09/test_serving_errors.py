@@ -185,6 +185,14 @@ BAD_INPUTS = [
         "stream: true",
     ),
     (
+        "a body that is not JSON",
+        CHAT,
+        b'{"model": "llama", "messages": [}',
+        400,
+        None,
+        "not valid JSON at character 32",
+    ),
+    (
         "a body that is not UTF-8",
         CHAT,
         b'{"model": "llama", "messages": [{"role": "user", "content": "caf\xe9"}]}',
