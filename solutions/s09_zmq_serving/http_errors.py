@@ -8,8 +8,9 @@ OpenAI's clients read every error as one JSON shape and expect 400 for a request
 FastAPI would answer a body that fails validation with 422 and its own list of problems,
 Starlette a body it cannot parse with a bare "There was an error parsing the body", and an
 unexpected exception with plain text. ``install_error_handlers`` makes each of them answer in
-OpenAI's shape instead, saying what was wrong (the field, the byte that is not UTF-8, the JSON too
-deep to parse), and every answer renders, even one that echoes a string no UTF-8 can hold.
+OpenAI's shape instead, saying what was wrong (the field, the character where the JSON broke, the
+JSON too deep to parse, the method a path takes), and every answer renders, even one that echoes
+a string no UTF-8 can hold. (A body that is not UTF-8 is refused before, by ``RequestGuard``.)
 """
 
 from __future__ import annotations
@@ -91,23 +92,28 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        detail = str(exc.detail)
+        detail, headers = str(exc.detail), exc.headers
+        path = f"{request.url.path:.200}"
         # FastAPI's "There was an error parsing the body" hides why json.loads gave up; say it
-        if isinstance(exc.__cause__, UnicodeDecodeError):
-            bad = exc.__cause__
-            detail = (
-                f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at offset {bad.start}; "
-                "send JSON encoded as UTF-8 (non-ASCII text as it is, or as \\u escapes)"
-            )
-        elif isinstance(exc.__cause__, RecursionError):
+        if isinstance(exc.__cause__, RecursionError):
             detail = "the request body is JSON nested too deeply to parse; send a flatter body"
         elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
             detail = (
                 f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits, "
                 "which the JSON parser refuses; no field of this API takes one"
             )
+        elif exc.status_code == 405 and headers and "Allow" in headers:  # Starlette names the methods in Allow
+            detail = f"{request.method} {path}: this path takes {headers['Allow']}"
+        elif exc.status_code == 404 and detail == "Not Found":
+            detail = (
+                f"there is no {path} on this server; its API is POST /v1/chat/completions, POST /v1/completions and "
+                "GET /v1/models (and GET /health)"
+            )
         return error_response(
-            exc.status_code, detail, "invalid_request_error" if exc.status_code < 500 else "server_error"
+            exc.status_code,
+            detail,
+            "invalid_request_error" if exc.status_code < 500 else "server_error",
+            headers=headers,
         )
 
     @app.exception_handler(Exception)

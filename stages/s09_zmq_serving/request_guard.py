@@ -1,10 +1,13 @@
 """``RequestGuard``: what every HTTP request passes before any route sees it.
 
 A server's first line of defence works on bytes, before anything parses JSON: a client without
-the API key is turned away (401); a body is read whole, under a size cap (413, whether or not
-the client declared its length: a declared length can lie) and within a time limit (408: a
-client that sends a byte a minute must not hold a connection forever). Only then does the route
-run, reading the body from memory. Every refusal is OpenAI's JSON error (``http_errors.py``).
+the API key is turned away (401); a compressed body is refused (415: none is decompressed here);
+a body is read whole, under a size cap (413, whether or not the client declared its length: a
+declared length can lie) and within a time limit (408: a client that sends a byte a minute must
+not hold a connection forever), and must be UTF-8 (400 naming the first byte that is not: JSON
+between systems is UTF-8, RFC 8259, though Python's parser would also take UTF-16 and UTF-32).
+Only then does the route run, reading the body from memory. Every refusal is OpenAI's JSON error
+(``http_errors.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from .http_errors import error_response
 
 
 class RequestGuard:
-    """ASGI middleware, before any route: the API key (401), then the body, read whole under a
-    size cap (413, before anyone parses it, whether or not the client declared its length) and
-    within ``read_timeout`` seconds (408). The route then gets the body from memory."""
+    """ASGI middleware, before any route: the API key (401), no Content-Encoding (415), then the
+    body, read whole under a size cap (413, before anyone parses it, whether or not the client
+    declared its length) and within ``read_timeout`` seconds (408), and UTF-8 (400). The route
+    then gets the body from memory."""
 
     def __init__(self, app, max_bytes: int, read_timeout: float, api_key: str | None):
         self.app, self.max_bytes, self.read_timeout = app, max_bytes, read_timeout
@@ -35,6 +39,12 @@ class RequestGuard:
                     "a valid API key is required: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 )(scope, receive, send)
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):
+            return await error_response(
+                415,
+                f"Content-Encoding {encoding[:40].decode('latin-1')!r} is not supported: send the body uncompressed",
+            )(scope, receive, send)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit():
             return await error_response(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}")(
@@ -58,6 +68,14 @@ class RequestGuard:
             if len(body) > self.max_bytes:
                 return await self.too_large(scope, receive, send)
 
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return await error_response(
+                400,
+                f"the request body is not valid UTF-8: byte 0x{body[bad.start]:02x} at offset {bad.start}; "
+                "send JSON encoded as UTF-8 (non-ASCII text as it is, or as \\u escapes)",
+            )(scope, receive, send)
         replayed = False
 
         async def replay():

@@ -5,6 +5,7 @@ long stop strings, prompts longer than any context could hold."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -191,6 +192,14 @@ BAD_INPUTS = [
         400,
         None,
         "not valid JSON at character 32",
+    ),
+    (
+        "a body in UTF-16 (Python's parser would take it; JSON between systems is UTF-8)",
+        CHAT,
+        json.dumps({"model": "llama", "messages": [{"role": "user", "content": "Hi"}]}).encode("utf-16"),
+        400,
+        None,
+        "not valid UTF-8: byte 0xff at offset 0",
     ),
     (
         "a body that is not UTF-8",
@@ -420,6 +429,25 @@ def test_a_body_sent_without_the_json_content_type_is_told_what_to_send(tiny_ser
         f"the error should say to send Content-Type: application/json, and what was sent; got {message!r}"
     )
     assert_good_request_works(tiny_server, "a text/plain body")
+
+
+def test_a_compressed_body_a_wrong_method_and_an_unknown_path_say_what_is_allowed(tiny_server):
+    url, headers = tiny_server.base_url, {**tiny_server.headers, "Content-Type": "application/json"}
+    body = gzip.compress(json.dumps(chat()).encode())
+    answer = requests.post(url + CHAT, data=body, headers={**headers, "Content-Encoding": "gzip"}, timeout=60)
+    assert answer.status_code == 415 and "send the body uncompressed" in answer.json()["error"]["message"], (
+        f"a gzip body should be a 415 saying to send it uncompressed; got {answer.status_code} {answer.text[:300]}"
+    )
+    answer = requests.get(url + CHAT, headers=tiny_server.headers, timeout=60)
+    assert answer.status_code == 405 and answer.headers.get("Allow") == "POST", (
+        f"GET on {CHAT} should be a 405 with Allow: POST; got {answer.status_code} {dict(answer.headers)}"
+    )
+    assert "takes POST" in answer.json()["error"]["message"], answer.text[:300]
+    answer = requests.post(url + "/v1/chat/completion", data=json.dumps(chat()), headers=headers, timeout=60)
+    assert answer.status_code == 404 and CHAT in answer.json()["error"]["message"], (
+        f"an unknown path should be a 404 naming the API's paths; got {answer.status_code} {answer.text[:300]}"
+    )
+    assert_good_request_works(tiny_server, "a gzip body, a GET and an unknown path")
 
 
 def test_the_openai_client_sees_the_errors(tiny_server):
