@@ -193,6 +193,8 @@ class OpenAIServing:
             try:
                 params = await self.constrain(params, {"type": "json_schema", "json_schema": {"schema": schema}}, None)
             except InvalidRequest as error:
+                if error.status_code != 400:  # not the tools' fault (every grammar check busy: a 503 to retry)
+                    raise
                 shown = tool_choice.name or tool_choice.mode
                 raise InvalidRequest(f"tool_choice {shown!r}: {error.message}", param="tool_choice") from None
         req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, tools=tools, fill_max_new_tokens=fill)
