@@ -11,6 +11,12 @@ stays open forever, and any number of connections may be open at once. Here:
 - ``--max-connections``: uvicorn's ``limit_concurrency``, open connections and requests in
   progress together; beyond it uvicorn answers 503 itself. It sits above the queue cap
   (whose 503 carries OpenAI's body and Retry-After) and below the usual limit of 1024 open files.
+- Stalled connections go first: once three quarters of ``--max-connections`` are open, each new
+  connection closes those that have waited on their client for over ``SHED_AFTER_S`` (half a
+  request head or body, or an idle kept-alive connection). Without this, one client holding
+  hundreds of half-sent heads (slowloris) turned every other client away with 503 for the whole
+  ``--read-timeout``, and again each time it reconnected. A client that sends its request at
+  once is never stalled that long; one that does needs to reconnect only under pressure.
 - A request head is bounded by h11 (kept as it is): it buffers at most 16 KiB of a head that has
   not arrived whole, so a head much over uvicorn's 64 KiB reads is refused with 400.
 - On SIGTERM / Ctrl-C, ``on_exit`` runs first (the API server tells every request in flight that
@@ -22,14 +28,18 @@ from __future__ import annotations
 
 import asyncio
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 GRACEFUL_SHUTDOWN_S = 2  # open answers get this long to complete when the server stops
+SHED_AT = 0.75  # of --max-connections open: stalled connections are closed to make room
+SHED_AFTER_S = 2.0  # a connection is stalled when its client has sent nothing it needs for this long
 
 
 class HeaderDeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's headers."""
+    """uvicorn's h11 protocol with a deadline for each request's headers, and stalled
+    connections closed when the server nears its connection limit."""
 
     header_timeout = 30.0  # set per server by make_http_server
 
@@ -37,6 +47,39 @@ class HeaderDeadlineH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._header_deadline: asyncio.TimerHandle | None = None
         self._arm_header_deadline()
+        self.quiet_since = self.loop.time()  # when its client last sent bytes (or got its answer)
+        if self.limit_concurrency is not None and len(self.connections) >= SHED_AT * self.limit_concurrency:
+            self.shed_stalled()
+
+    def data_received(self, data: bytes) -> None:
+        self.quiet_since = self.loop.time()
+        super().data_received(data)
+
+    def stalled_for(self, now: float) -> float:
+        """How long this connection has waited on its client for a request head or body (0 while
+        the server is answering it)."""
+        between_requests = self.cycle is None or self.cycle.response_complete
+        if between_requests or self.conn.their_state is h11.SEND_BODY:
+            return now - self.quiet_since
+        return 0.0
+
+    def shed_stalled(self) -> None:
+        now = self.loop.time()
+        stalled = [
+            other
+            for other in self.connections
+            if isinstance(other, HeaderDeadlineH11Protocol) and other.stalled_for(now) > SHED_AFTER_S
+        ]
+        for other in stalled:
+            other.transport.close()
+        if stalled:
+            self.logger.warning(
+                "%d connections open (--max-connections %d): closed %d whose client sent nothing for over %g s",
+                len(self.connections),
+                self.limit_concurrency,
+                len(stalled),
+                SHED_AFTER_S,
+            )
 
     def _arm_header_deadline(self) -> None:
         self._header_deadline = self.loop.call_later(self.header_timeout, self._on_header_deadline)
@@ -57,6 +100,7 @@ class HeaderDeadlineH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.quiet_since = self.loop.time()  # a kept-alive connection's wait for its next request starts now
         if self._header_deadline is None and not self.transport.is_closing():
             self._arm_header_deadline()  # for the next request on this kept-alive connection
 

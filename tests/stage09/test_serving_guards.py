@@ -13,7 +13,16 @@ import pytest
 import requests
 from openai import AuthenticationError, OpenAI
 
-from serving_helpers import GUARD_KEY, GUARD_LIMITS, TINY_FAMILY, assert_nothing_leaked, post, wait_idle
+from serving_helpers import (
+    GUARD_KEY,
+    GUARD_LIMITS,
+    SERVED_ENGINE,
+    TINY_FAMILY,
+    Server,
+    assert_nothing_leaked,
+    post,
+    wait_idle,
+)
 
 COMPLETIONS = "/v1/completions"
 GOOD = {"model": TINY_FAMILY, "prompt": "Hi", "max_tokens": 3, "temperature": 0}
@@ -166,6 +175,54 @@ def test_connections_beyond_the_limit_get_503(guarded_server):
     while guarded_server.health().status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert guarded_server.health().status_code == 200, "once the connections closed, the server must answer again"
+
+
+@pytest.fixture(scope="module")
+def crowded_server(tiny_server_session, tiny_models_root, tmp_path_factory):
+    """16 connections at most, and the default --read-timeout (30 s): room to see stalled
+    connections closed before the header deadline would close them."""
+    args = ["--pool-size", "1024", *SERVED_ENGINE, "--max-connections", str(CROWDED_CONNECTIONS)]
+    server = Server(tiny_models_root / TINY_FAMILY, args, tmp_path_factory.mktemp("s09-crowded-server"))
+    yield server
+    server.stop()
+
+
+CROWDED_CONNECTIONS = 16
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1000) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_stalled_connections_make_room_near_the_limit(crowded_server):
+    """One client holding every connection with half-sent heads (slowloris) must not turn the
+    others away for the whole read timeout: near --max-connections, a new connection closes
+    those whose client has sent nothing for over SHED_AFTER_S."""
+    from s09_zmq_serving.http_server import SHED_AFTER_S
+
+    port = crowded_server.process.port
+    stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(CROWDED_CONNECTIONS)]
+    try:
+        for sock in stalled:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(SHED_AFTER_S + 1)
+        answer = post(crowded_server, COMPLETIONS, GOOD, timeout=30)
+        assert answer.status_code == 200, (
+            f"with {CROWDED_CONNECTIONS} connections stalled for over {SHED_AFTER_S} s on half a request head, a "
+            f"new client must be served (the stalled ones closed to make room); got {answer.status_code} "
+            f"{answer.text[:200]}"
+        )
+        closed = sum(map(closed_by_server, stalled))
+        assert closed == CROWDED_CONNECTIONS, f"only {closed} of the {CROWDED_CONNECTIONS} stalled connections closed"
+    finally:
+        for sock in stalled:
+            sock.close()
 
 
 def test_health_says_503_while_the_scheduler_is_stuck(guarded_server):
