@@ -1354,6 +1354,16 @@ MUTANTS: list[Mutant] = [
         r"leak|free|slot",
     ),
     Mutant(
+        "s10-free-from-the-page-below",
+        "s10_overlap_scheduling/scheduler.py",
+        "only the pages after the kept positions are freed: the first page boundary AT OR AFTER keep (a ceiling)",
+        edit(
+            "first_free = pages_for(keep, self.page_size) * self.page_size",
+            "first_free = keep // self.page_size * self.page_size",
+        ),
+        r"first page boundary at or after keep",
+    ),
+    Mutant(
         "s10-never-wait",
         "s10_overlap_scheduling/scheduler.py",
         "a half-prefilled request's next chunk (or a retraction) waits for the step in flight, which stores its start",

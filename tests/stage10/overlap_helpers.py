@@ -58,6 +58,14 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
                     f"{where}: step() raised IndexError ({error}): did a future id (negative) reach the model? "
                     "resolve must replace each one, in the batch's own input_ids, before the forward"
                 ) from error
+            except ValueError as error:
+                if "double free" not in str(error):
+                    raise
+                raise AssertionError(
+                    f"{where}: {error}\n  (under overlap, release_ended frees only the pages after the positions a "
+                    "request keeps: from pages_for(keep) * page_size, the first page boundary at or after keep; a page "
+                    "that still holds a kept position leaves with the request, in release_req)"
+                ) from error
             for out in outputs:
                 assert out.rid not in ended, (
                     f"{where}: request {out.rid} got tokens {out.new_token_ids} after its stream had ended"

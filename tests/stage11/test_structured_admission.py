@@ -109,11 +109,7 @@ def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
         stuck = engine.add_request([72, 73], constrained("regex", REGEXES[2]))
         free = engine.add_request([74, 75], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
         outputs = run_until_idle(engine, max_steps=20000)  # a step without work waits a little for a compilation
-        assert not hold.outlasted.is_set(), (
-            "the engine went idle only once the held compilation was let go (after 30 s): the scheduler waited for "
-            "a compilation still running. future.exception() and future.result() wait for it: ask them only of a "
-            "future that is done (a timed-out one is not)"
-        )
+        stalled = hold.outlasted.is_set()  # read before the block lets the compilation go
     assert stuck.finished_reason is not None and stuck.finished_reason.type == "abort" and not stuck.output_ids, (
         f"a grammar still compiling after grammar_timeout=0.3 s should abort its request, with no tokens: {stuck}"
     )
@@ -122,6 +118,11 @@ def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
     )
     assert any(out.rid == stuck.rid and out.finish_reason.type == "abort" for out in outputs), (
         "the timed-out request's end should be streamed like any other's (a TokenOutput with finish reason abort)"
+    )
+    assert not stalled, (
+        "the engine went idle only once the held compilation was let go (after 30 s): the scheduler waited for "
+        "a compilation still running. future.exception() and future.result() wait for it: ask them only of a "
+        "future that is done (a timed-out one is not)"
     )
     assert len(free.output_ids) == 3, f"the free request beside it should run to its end: {free}"
     check_all(engine, "after a grammar timed out")
