@@ -1558,6 +1558,16 @@ MUTANTS: list[Mutant] = [
         r"share one grammar matcher|grammar has consumed",
     ),
     Mutant(
+        "s11-ready-grammar-jumps-the-line",
+        "s11_structured_output/scheduler.py",
+        "a request joins the waiting queue when its grammar is ready: at its end, behind those already waiting",
+        edit(
+            "            self.waiting.append(req)\n        return outputs",
+            "            self.waiting.appendleft(req)\n        return outputs",
+        ),
+        r"END\s+of the waiting queue",
+    ),
+    Mutant(
         "s11-schema-wrapper",
         "s11_structured_output/response_format.py",
         "the grammar is the schema INSIDE response_format's json_schema ({name, schema}), not the wrapper",

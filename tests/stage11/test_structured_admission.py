@@ -128,6 +128,29 @@ def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
     check_all(engine, "after a grammar timed out")
 
 
+def test_a_request_whose_grammar_is_ready_joins_the_end_of_the_line(tiny_models_root):
+    """A request takes its place in line when its grammar is ready (waiting.append): behind the
+    requests already waiting then, however early it arrived. One table row, so they go one by one."""
+    engine = engine_on(tiny_models_root / "qwen3", pool_size=1024, max_running_requests=1, schedule_policy="fcfs")
+    free = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    with compilation_held(engine, ("regex", REGEXES[1]), at_most_s=30):
+        late = engine.add_request([72, 73], constrained("regex", REGEXES[1]))
+        first = engine.add_request([74, 75], free)
+        second = engine.add_request([76, 77], free)
+        with torch.inference_mode():
+            engine.step()  # first runs (the only row), second waits, late's grammar compiles
+    [(_, compiling)] = engine.scheduler.grammar_queue
+    compiling.result(timeout=30)  # ready before first ends, so late is in line while second waits
+    run_until_idle(engine)
+    order = sorted(
+        (req.time_stats.scheduled[0], name) for name, req in [("first", first), ("second", second), ("late", late)]
+    )
+    assert [name for _, name in order] == ["first", "second", "late"], (
+        f"admitted in the order {[name for _, name in order]}: a request whose grammar becomes ready joins the END "
+        "of the waiting queue (waiting.append), behind those already waiting"
+    )
+
+
 @pytest.mark.parametrize(
     "kind,spec,why",
     [("regex", "[0-9", "unclosed character class"), ("json", {"type": "integer", "minimum": "zero"}, "minimum")],
