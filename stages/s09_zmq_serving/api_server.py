@@ -130,6 +130,7 @@ class AnswerPlan:
     include_usage: bool  # a stream ends with a usage chunk
     arrived: float  # when it reached its route (loop time): the metrics time it from here
     tool_reader: Callable[[], ToolCallParser] | None = None  # a chat with tools: each choice's text is read for calls
+    grammar_param: str | None = None  # where its grammar came from, if not response_format/regex (tool_choice)
 
 
 class DebugFault(BaseModel):
@@ -201,6 +202,7 @@ class OpenAIServing:
         names = [tool["function"]["name"] for tool in tools or ()]
         reader = None if tools is None else (lambda: ToolCallParser(tool_choice, names))
         plan = AnswerPlan(req.rid, "chat", model, body.n or 1, body.stream, include_usage(body), arrived, reader)
+        plan.grammar_param = "tool_choice" if schema is not None else None
         return await self.generate(request, plan, [req])
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -282,7 +284,7 @@ class OpenAIServing:
             # long a prompt) then gets a proper 400, not a 200 stream that carries an error.
             first = await client.next_output(queue, request, deadline)
             if isinstance(first, ErrorOut):
-                raise rejection(first, plan.kind)
+                raise rejection(first, plan.kind, plan.grammar_param)
             if not plan.stream:
                 pieces = [out async for out in client.outputs(rids, queue, first, request, deadline, prompt_of)]
                 choices, counts = whole_choices(rids, pieces, asked)

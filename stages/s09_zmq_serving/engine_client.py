@@ -49,11 +49,17 @@ class OutputPiece:
     logprobs: list[LogprobEntry]  # the entries of this piece's tokens (a request that asked for them)
 
 
-def rejection(error: ErrorOut, kind: str = "completion") -> InvalidRequest:
-    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer. A prompt too
-    long for the engine is refused as the "prompt" (ErrorOut.refused); a chat's prompt is its
-    ``messages``."""
-    param = "messages" if error.param == "prompt" and kind == "chat" else error.param
+def rejection(error: ErrorOut, kind: str = "completion", grammar_param: str | None = None) -> InvalidRequest:
+    """A worker's ErrorOut as the exception the app turns into OpenAI's error answer, naming the
+    request's own field: a prompt too long for the engine is refused as the "prompt"
+    (ErrorOut.refused), and a chat's prompt is its ``messages``; a grammar the scheduler gave up on
+    is reported as "response_format", and ``grammar_param`` says where it came from instead (a
+    forced tool call's: "tool_choice")."""
+    param = error.param
+    if param == "prompt" and kind == "chat":
+        param = "messages"
+    elif param == "response_format" and grammar_param is not None:
+        param = grammar_param
     return InvalidRequest(
         error.message,
         param=param,

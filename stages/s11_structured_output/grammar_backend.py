@@ -45,7 +45,7 @@ def library_reason(reason: str) -> str:
             "no token can come next: the grammar matches no text the model can write "
             "(is it empty, or endlessly self-referential?)"
         )
-    if "limits." in reason or "too many" in reason:
+    if "limits." in reason or "too many" in reason.lower():
         return f"{reason.split(';')[0]}: the grammar is too large or complex for this server's limits; simplify it"
     return reason
 
