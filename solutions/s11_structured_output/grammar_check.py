@@ -131,7 +131,7 @@ class GrammarChecker:
         self.workers, self.timeout_s, self.memory_bytes = workers, timeout_s, memory_bytes
         self.idle: asyncio.Queue[CheckWorker] | None = None  # made on the event loop, at the first check
         self.all: set[CheckWorker] = set()
-        self.replacing: set[asyncio.Task[Any]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()  # checks and replacements under way (the loop keeps weak refs)
 
     async def check(self, key: GrammarKey) -> None:
         """Return if ``key`` compiles; GrammarError saying why not (or that it took too long or
@@ -142,21 +142,33 @@ class GrammarChecker:
                 self.idle.put_nowait(await self.start_worker())
         try:
             worker = await asyncio.wait_for(self.idle.get(), self.timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             raise GrammarCheckBusy(
                 f"all {self.workers} grammar checks of this server were busy for {self.timeout_s:g} s; retry"
             ) from None
+        # Shielded: a request cancelled meanwhile (its client gone, its time up) must not lose the
+        # worker, which goes back to the queue, or is replaced, whatever happens to the request.
+        refused = await asyncio.shield(self.background(self.run_on(worker, key)))
+        if refused is not None:
+            raise GrammarError(refused)
+
+    async def run_on(self, worker: CheckWorker, key: GrammarKey) -> str | None:
+        """Check ``key`` on ``worker``, then give the worker back, or stop it and start another."""
+        assert self.idle is not None
         lives, refused = await asyncio.to_thread(worker.check, key, self.timeout_s)
         if lives:
             self.idle.put_nowait(worker)
         else:
             self.all.discard(worker)
             await asyncio.to_thread(worker.stop)
-            task = asyncio.create_task(self.replace())
-            self.replacing.add(task)
-            task.add_done_callback(self.replacing.discard)
-        if refused is not None:
-            raise GrammarError(refused)
+            self.background(self.replace())
+        return refused
+
+    def background(self, work) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     async def start_worker(self) -> CheckWorker:
         worker = await asyncio.to_thread(CheckWorker, self.memory_bytes)

@@ -5,7 +5,8 @@ anything, at a cost that roughly doubles per pattern and that none of its limits
 patterns took over 5 GB of the API server's memory within a minute, in a thread that could not be
 stopped). Here: such a check is refused at the time limit, or when its worker passes the memory
 cap, the worker is replaced and the next check is served; a request that finds every worker busy
-is told to retry (GrammarCheckBusy, a 503), not that its grammar is wrong.
+is told to retry (GrammarCheckBusy, a 503), not that its grammar is wrong; a request cancelled
+while its check runs loses no worker.
 """
 
 from __future__ import annotations
@@ -80,6 +81,28 @@ def test_every_worker_busy_is_a_retry_not_a_refused_grammar():
                 await checker.check(GOOD)
             checker.idle.put_nowait(held)
             await checker.check(GOOD)
+        finally:
+            checker.close()
+
+    run(scenario())
+
+
+def test_a_request_cancelled_during_its_check_loses_no_worker():
+    async def scenario():
+        checker = GrammarChecker(workers=1, timeout_s=1.0)
+        try:
+            await checker.check(GOOD)
+            hostile = asyncio.create_task(checker.check(patterns(24)))
+            await asyncio.sleep(0.2)
+            hostile.cancel()  # its client left: the check goes on, and its worker is then replaced
+            with pytest.raises(asyncio.CancelledError):
+                await hostile
+            while checker.tasks:  # the check, killed at its limit, then the replacement's start
+                await asyncio.gather(*list(checker.tasks), return_exceptions=True)
+            assert len(checker.all) == 1, f"{len(checker.all)} workers after the cancelled check, not 1"
+            await checker.check(GOOD)
+        except GrammarCheckBusy:
+            pytest.fail("the cancelled request's worker was lost: no worker came back, nor a replacement")
         finally:
             checker.close()
 
