@@ -38,6 +38,7 @@ from s02_request_and_sampling.sampling_params import MAX_SEED
 
 from .engine_client import ClientGone, EngineClient, OutputPiece, rejection
 from .http_errors import CLIENT_CLOSED_REQUEST, OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
+from .http_server import ConnectionLimit
 from .io_struct import DebugFaultReq, DebugStateReq, EngineStateReq, ErrorOut, GenerateReqInput, LogprobEntry
 from .metrics import HTTPRequestCounter, ServerMetrics
 from .protocol import (
@@ -406,6 +407,7 @@ def create_app(
         read_timeout=server_args.read_timeout,
         api_key=server_args.api_key,
     )
+    app.add_middleware(ConnectionLimit, max_connections=server_args.max_connections)  # before the guard reads
     install_error_handlers(app)
     if serving.metrics is not None:  # added last, so outermost: it sees the guards' refusals too
         app.add_middleware(HTTPRequestCounter, metrics=serving.metrics, router=app.router)

@@ -8,9 +8,11 @@ stays open forever, and any number of connections may be open at once. Here:
   is closed (``HeaderDeadlineH11Protocol``; uvicorn has no such timeout). The body gets the same
   time again (``request_guard.RequestGuard``).
 - ``--keep-alive-timeout``: an idle kept-alive connection is closed after this (uvicorn's 5 s).
-- ``--max-connections``: uvicorn's ``limit_concurrency``, open connections and requests in
-  progress together; beyond it uvicorn answers 503 itself. It sits above the queue cap
-  (whose 503 carries OpenAI's body and Retry-After) and below the usual limit of 1024 open files.
+- ``--max-connections``: open connections, and requests in progress, at most; a request beyond
+  either gets a 503 in OpenAI's shape with Retry-After, and its connection is closed
+  (``ConnectionLimit``, counted by the metrics like any answer; uvicorn's own ``limit_concurrency``
+  answers plain text, before the app). It sits above the queue cap and below the usual limit of
+  1024 open files.
 - Stalled connections go first: once three quarters of ``--max-connections`` are open, each new
   connection closes those that have waited on their client for over ``SHED_AFTER_S`` (half a
   request head or body, or an idle kept-alive connection). Without this, one client holding
@@ -32,7 +34,10 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .http_errors import error_response
+
 GRACEFUL_SHUTDOWN_S = 2  # open answers get this long to complete when the server stops
+RETRY_AFTER_S = 1  # what a request refused for too many connections is told to wait
 SHED_AT = 0.75  # of --max-connections open: stalled connections are closed to make room
 SHED_AFTER_S = 2.0  # a connection is stalled when its client has sent nothing it needs for this long
 
@@ -42,13 +47,14 @@ class HeaderDeadlineH11Protocol(H11Protocol):
     connections closed when the server nears its connection limit."""
 
     header_timeout = 30.0  # set per server by make_http_server
+    max_connections = 512  # likewise
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_deadline: asyncio.TimerHandle | None = None
         self._arm_header_deadline()
         self.quiet_since = self.loop.time()  # when its client last sent bytes (or got its answer)
-        if self.limit_concurrency is not None and len(self.connections) >= SHED_AT * self.limit_concurrency:
+        if len(self.connections) >= SHED_AT * self.max_connections:
             self.shed_stalled()
 
     def data_received(self, data: bytes) -> None:
@@ -76,7 +82,7 @@ class HeaderDeadlineH11Protocol(H11Protocol):
             self.logger.warning(
                 "%d connections open (--max-connections %d): closed %d whose client sent nothing for over %g s",
                 len(self.connections),
-                self.limit_concurrency,
+                self.max_connections,
                 len(stalled),
                 SHED_AFTER_S,
             )
@@ -110,6 +116,29 @@ class HeaderDeadlineH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
 
+class ConnectionLimit:
+    """ASGI middleware: a request that finds more than ``max_connections`` connections open, or
+    requests in progress, gets a 503 with Retry-After, and its connection is closed. It counts
+    uvicorn's own server state, which ``make_http_server`` puts in ``app.state.server_state``."""
+
+    def __init__(self, app, max_connections: int):
+        self.app, self.max_connections = app, max_connections
+
+    async def __call__(self, scope, receive, send) -> None:
+        state = getattr(scope["app"].state, "server_state", None) if scope["type"] == "http" else None
+        # this request's own connection and task are among them
+        if state is not None and max(len(state.connections), len(state.tasks)) > self.max_connections:
+            return await error_response(
+                503,
+                f"the server has more than {self.max_connections} connections or requests open at once "
+                f"(--max-connections); retry after {RETRY_AFTER_S} s",
+                "server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+            )(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class HTTPServer(uvicorn.Server):
     """uvicorn's server, calling ``on_exit`` when SIGTERM or SIGINT arrives, before it stops."""
 
@@ -124,17 +153,20 @@ class HTTPServer(uvicorn.Server):
 
 
 def make_http_server(app, server_args, on_exit) -> HTTPServer:
-    protocol = type("H11Protocol", (HeaderDeadlineH11Protocol,), {"header_timeout": server_args.read_timeout})
+    """uvicorn for ``app`` (which holds a ``ConnectionLimit``: it gets the server's state here)."""
+    limits = {"header_timeout": server_args.read_timeout, "max_connections": server_args.max_connections}
+    protocol = type("H11Protocol", (HeaderDeadlineH11Protocol,), limits)
     config = uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
         http=protocol,
         timeout_keep_alive=server_args.keep_alive_timeout,
-        limit_concurrency=server_args.max_connections,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         log_config=None,  # uvicorn's loggers go through the server's logging setup (launch.py), one format
         log_level=server_args.log_level,
         access_log=server_args.log_level in ("info", "debug"),
     )
-    return HTTPServer(config, on_exit)
+    server = HTTPServer(config, on_exit)
+    app.state.server_state = server.server_state  # what ConnectionLimit counts
+    return server

@@ -165,8 +165,10 @@ def test_connections_beyond_the_limit_get_503(guarded_server):
     idle = [socket.create_connection(("127.0.0.1", guarded_server.process.port)) for _ in range(limit)]
     try:
         answer = requests.get(guarded_server.base_url + "/health", timeout=30)
-        assert answer.status_code == 503, (
-            f"with {limit} connections open (--max-connections) a new request must get 503; got {answer.status_code}"
+        error = assert_openai_error(answer, 503, f"a request beyond {limit} open connections (--max-connections)")
+        assert error["code"] == "server_overloaded" and answer.headers.get("Retry-After"), (
+            f"a request beyond the connection limit is told to retry (code server_overloaded, Retry-After); got "
+            f"{error}, headers {dict(answer.headers)}"
         )
     finally:
         for sock in idle:
