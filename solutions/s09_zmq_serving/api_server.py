@@ -210,8 +210,17 @@ class OpenAIServing:
         req = GenerateReqInput(new_id("chatcmpl"), params, messages=messages, tools=tools, fill_max_new_tokens=fill)
         names = [tool["function"]["name"] for tool in tools or ()]
         reader = None if tools is None else (lambda: ToolCallParser(tool_choice, names))
-        plan = AnswerPlan(req.rid, "chat", model, body.n or 1, body.stream, include_usage(body), arrived, reader)
-        plan.grammar_param = "tool_choice" if schema is not None else None
+        plan = AnswerPlan(
+            req.rid,
+            "chat",
+            model,
+            body.n or 1,
+            body.stream,
+            include_usage(body),
+            arrived,
+            reader,
+            grammar_param="tool_choice" if schema is not None else None,
+        )
         return await self.generate(request, plan, [req])
 
     async def completions(self, body: CompletionRequest, request: Request):

@@ -35,9 +35,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .http_errors import error_response
+from .protocol import RETRY_AFTER_S
 
 GRACEFUL_SHUTDOWN_S = 2  # open answers get this long to complete when the server stops
-RETRY_AFTER_S = 1  # what a request refused for too many connections is told to wait
 SHED_AT = 0.75  # of --max-connections open: stalled connections are closed to make room
 SHED_AFTER_S = 2.0  # a connection is stalled when its client has sent nothing it needs for this long
 

@@ -27,7 +27,7 @@ import llguidance.hf
 import llguidance.numpy
 import torch
 
-from .grammar_check import PARSER_LIMITS, GrammarError, grammar_text
+from .grammar_check import PARSER_LIMITS, GrammarError, grammar_text, kind_name
 from .sampling_params import GrammarKey
 
 COMPILE_THREADS = 2  # grammars compiled at once (llguidance drops the GIL while it compiles)
@@ -155,8 +155,7 @@ class GrammarBackend:
             self.tokenizer, grammar_text(key), log_level=0, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
         )
         if matcher.is_error():
-            kind = "JSON schema" if key[0] == "json" else "regex"
-            raise GrammarError(f"invalid {kind}: {library_reason(matcher.get_error())}")
+            raise GrammarError(f"invalid {kind_name(key)}: {library_reason(matcher.get_error())}")
         return matcher
 
     def get(self, key: GrammarKey) -> Future:

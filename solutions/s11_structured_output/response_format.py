@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from s02_request_and_sampling.sampling_params import SamplingParams
-from s09_zmq_serving.protocol import InvalidRequest, in_api_words
+from s09_zmq_serving.protocol import RETRY_AFTER_S, InvalidRequest, in_api_words
 
 from .grammar_check import GrammarCheckBusy, GrammarChecker, GrammarError
 from .sampling_params import JSON_OBJECT_SCHEMA, StructuredSamplingParams
@@ -99,6 +99,6 @@ async def structured_params(
         raise InvalidRequest(str(error), param=param) from None
     except GrammarCheckBusy as error:
         raise InvalidRequest(
-            str(error), param=param, status_code=503, type="server_error", headers={"Retry-After": "1"}
+            str(error), param=param, status_code=503, type="server_error", headers={"Retry-After": str(RETRY_AFTER_S)}
         ) from None
     return structured

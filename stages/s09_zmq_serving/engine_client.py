@@ -31,10 +31,9 @@ from fastapi import Request
 
 from .io_struct import AbortReq, BatchStrOut, DebugStateOut, EngineStateOut, ErrorOut, LogprobEntry
 from .metrics import ServerMetrics
-from .protocol import InvalidRequest
+from .protocol import RETRY_AFTER_S, InvalidRequest
 
 DISCONNECT_POLL_S = 0.2  # while a request waits for its answer, look this often whether its client left
-RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before trying again
 
 
 @dataclass

@@ -68,6 +68,7 @@ MAX_COMPLETION_LOGPROBS = 5  # the completions API's logprobs (OpenAI's limit; c
 # An error message longer than this is cut: a malformed 400 KB regex once came back as a 1.6 MB
 # error, quoted four times by the grammar library
 MAX_ERROR_CHARS = 2000
+RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait before trying again (a 503's Retry-After)
 
 
 class InvalidRequest(ValueError):

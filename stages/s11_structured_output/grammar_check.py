@@ -59,13 +59,17 @@ def grammar_text(key: GrammarKey) -> str:
         raise GrammarError(f"{kind}: {error}") from None
 
 
+def kind_name(key: GrammarKey) -> str:
+    """What ``key`` is, in a client's words."""
+    return "JSON schema" if key[0] == "json" else "regex"
+
+
 def check_grammar(key: GrammarKey) -> None:
     """Raise GrammarError unless ``key`` compiles (no tokenizer needed). In this process: the
     server calls it through ``GrammarChecker``, which bounds its time and memory."""
     error = llguidance.LLMatcher.validate_grammar(grammar_text(key), limits=llguidance.LLParserLimits(**PARSER_LIMITS))
     if error:
-        kind = "JSON schema" if key[0] == "json" else "regex"
-        raise GrammarError(f"invalid {kind}: {error}")
+        raise GrammarError(f"invalid {kind_name(key)}: {error}")
 
 
 def serve_checks(conn: Connection, memory_bytes: int) -> None:
