@@ -8,7 +8,16 @@ import shutil
 
 import pytest
 
-from serving_helpers import DEFAULT_ARGS, GUARD_ARGS, GUARD_KEY, NAMED_TEMPLATE, TINY_ARGS, TINY_FAMILY, Server
+from serving_helpers import (
+    CROWDED_ARGS,
+    DEFAULT_ARGS,
+    GUARD_ARGS,
+    GUARD_KEY,
+    NAMED_TEMPLATE,
+    TINY_ARGS,
+    TINY_FAMILY,
+    Server,
+)
 
 
 def running(model, args: list[str], log_dir, **options):
@@ -60,3 +69,13 @@ def guarded_server_session(tiny_server_session, tiny_models_root, tmp_path_facto
 @pytest.fixture
 def guarded_server(guarded_server_session):
     return alive(guarded_server_session)
+
+
+@pytest.fixture(scope="session")
+def crowded_server_session(tiny_server_session, tiny_models_root, tmp_path_factory):
+    yield from running(tiny_models_root / TINY_FAMILY, CROWDED_ARGS, tmp_path_factory.mktemp("s09-crowded-server"))
+
+
+@pytest.fixture
+def crowded_server(crowded_server_session):
+    return alive(crowded_server_session)

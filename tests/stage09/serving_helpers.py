@@ -61,6 +61,10 @@ GUARD_LIMITS = dict(
     health_timeout=1,
     max_connections=16,
 )
+# The crowded server: 16 connections at most, and the default --read-timeout (30 s): room to see
+# stalled connections closed before the header deadline would close them.
+CROWDED_CONNECTIONS = 16
+CROWDED_ARGS = ["--pool-size", "1024", *SERVED_ENGINE, f"--max-connections={CROWDED_CONNECTIONS}"]
 GUARD_ARGS = [
     "--pool-size",
     "4096",

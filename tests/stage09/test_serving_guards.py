@@ -14,11 +14,10 @@ import requests
 from openai import AuthenticationError, OpenAI
 
 from serving_helpers import (
+    CROWDED_CONNECTIONS,
     GUARD_KEY,
     GUARD_LIMITS,
-    SERVED_ENGINE,
     TINY_FAMILY,
-    Server,
     assert_nothing_leaked,
     post,
     wait_idle,
@@ -177,19 +176,6 @@ def test_connections_beyond_the_limit_get_503(guarded_server):
     while guarded_server.health().status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert guarded_server.health().status_code == 200, "once the connections closed, the server must answer again"
-
-
-@pytest.fixture(scope="module")
-def crowded_server(tiny_server_session, tiny_models_root, tmp_path_factory):
-    """16 connections at most, and the default --read-timeout (30 s): room to see stalled
-    connections closed before the header deadline would close them."""
-    args = ["--pool-size", "1024", *SERVED_ENGINE, "--max-connections", str(CROWDED_CONNECTIONS)]
-    server = Server(tiny_models_root / TINY_FAMILY, args, tmp_path_factory.mktemp("s09-crowded-server"))
-    yield server
-    server.stop()
-
-
-CROWDED_CONNECTIONS = 16
 
 
 def closed_by_server(sock: socket.socket) -> bool:

@@ -44,6 +44,11 @@ def test_future_map_resolves_placeholders_only():
         futures.alloc(5)
 
 
+def stage8_tokens(path) -> list[int]:
+    """What stage 8 generates for the one request these loop tests run."""
+    return engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+
+
 def spied_engine(path, disable_overlap):
     """An engine whose scheduler logs ("launch", n) / ("process", n) events and, for each forward,
     how many future ids its input carried before and after resolving, and on which thread."""
@@ -115,7 +120,7 @@ def test_step_n_plus_1_is_launched_before_step_n_is_processed(tiny_models_root, 
     assert all(thread is not threading.main_thread() for _, _, thread in passes), (
         "the forward must run on the worker thread"
     )
-    stage8 = engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    stage8 = stage8_tokens(path)
     assert req.output_ids == stage8, (
         f"with overlap the request got {req.output_ids}, stage 8 gives {stage8}: each turn processes step N after "
         "launching step N+1, and only then settles step N+1 (the requests that finished in step N get no future id)"
@@ -172,7 +177,7 @@ def test_a_turn_returns_while_the_step_it_launched_still_runs(tiny_models_root):
     with torch.inference_mode():
         while engine.has_work:
             engine.step()
-    stage8 = engine_on(path, stage=8, pool_size=512).generate([random_prompt(7, seed=3)], greedy(4))[0].output_ids
+    stage8 = stage8_tokens(path)
     assert req.output_ids == stage8, f"with the forward held, the request got {req.output_ids}; stage 8: {stage8}"
 
 
