@@ -9,6 +9,7 @@ is keyed by ``grammar_key`` = (kind, text), so one schema, however it is spaced,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -72,4 +73,20 @@ def canonical_schema(schema: str | dict[str, Any]) -> str:
             raise ValueError(f"json_schema is not valid JSON: {error}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON object (a dict), got {type(schema).__name__}")
+    where = non_finite_at(schema)
+    if where is not None:  # Python's JSON reads NaN and Infinity; JSON has no such numbers, nor has llguidance
+        raise ValueError(f"json_schema holds {where[1]} at {where[0] or 'its top'}; a JSON schema's numbers are finite")
     return json.dumps(schema, separators=(",", ":"))
+
+
+def non_finite_at(value: Any) -> tuple[str, float] | None:
+    """(where, the number) of a NaN or infinity in a parsed JSON value, or None. A walk with a
+    stack of its own, not recursion: a schema may be nested as deep as the body parser allows."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path, item
+        items = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        stack.extend((f"{path}.{key}" if path else str(key), child) for key, child in reversed(list(items)))
+    return None

@@ -15,13 +15,17 @@ a string no UTF-8 can hold. (A body that is not UTF-8 is refused before, by ``Re
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import sys
+import types
+import typing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .io_struct import describe_error
@@ -30,6 +34,42 @@ from .protocol import InvalidRequest, error_body
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 UNION_TAGS = {"float", "int", "str", "bool"}  # how pydantic names the member of a union it tried
+
+
+def fields_at(model: type[BaseModel], path: typing.Sequence[str | int]) -> list[str]:
+    """The fields an object at ``path`` inside a request body of ``model`` may have (in the order
+    the model declares them), found by walking the model's annotations: a field's type, a list's
+    items, each member of a union. [] where no strict model describes that object."""
+    found: list[typing.Any] = [model]
+    for part in path:
+        found = [step for kind in found for member in union_members(kind) for step in walk(member, part)]
+    names = [
+        name
+        for kind in found
+        for member in union_members(kind)
+        if isinstance(member, type) and issubclass(member, BaseModel) and member.model_config.get("extra") == "forbid"
+        for name in member.model_fields
+    ]
+    return list(dict.fromkeys(names))
+
+
+def union_members(kind) -> list:
+    """``X | None`` and ``Annotated[X, ...]`` seen as what they can hold: [X, NoneType], [X]."""
+    origin = typing.get_origin(kind)
+    if origin is typing.Annotated:
+        return union_members(typing.get_args(kind)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [member for arg in typing.get_args(kind) for member in union_members(arg)]
+    return [kind]
+
+
+def walk(kind, part: str | int) -> list:
+    """The type one step down ``kind``: a model's field (``part`` a name) or a list's item (an index)."""
+    if isinstance(part, int) and typing.get_origin(kind) is list:
+        return list(typing.get_args(kind)[:1])
+    if isinstance(part, str) and isinstance(kind, type) and issubclass(kind, BaseModel) and part in kind.model_fields:
+        return [kind.model_fields[part].annotation]
+    return []
 
 
 def json_bytes(content) -> bytes:
@@ -83,6 +123,18 @@ def install_error_handlers(app: FastAPI) -> None:
                 400, f"the request body must be a JSON object sent with Content-Type: application/json{how}"
             )
         where = ".".join(loc) or "body"
+        route = request.scope.get("route")
+        body_model = getattr(getattr(route, "body_field", None), "field_info", None)
+        if first.get("type") == "extra_forbidden" and body_model is not None:
+            # pydantic says only "Extra inputs are not permitted": name what the object may hold
+            # (a misspelt "temprature" is then plain to see)
+            allowed = fields_at(body_model.annotation, first["loc"][1:-1])
+            if allowed:
+                close = difflib.get_close_matches(str(first["loc"][-1]), allowed, n=1)
+                guess = f" (did you mean {close[0]}?)" if close else ""
+                return error_response(
+                    400, f"{where}: unknown field{guess}; the fields allowed here are {', '.join(allowed)}", param=where
+                )
         message = f"{where}: {first['msg']}" + (f" (got {first['input']!r:.80})" if "input" in first and loc else "")
         return error_response(400, message, param=where if loc else None)
 

@@ -359,6 +359,11 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, message in enumerate(request.messages):
         content = message.content
         if isinstance(content, list):
+            if not content:  # as OpenAI: a list of parts holds at least one
+                raise InvalidRequest(
+                    f"messages[{i}].content is an empty list of parts; send a string, or at least one text part",
+                    param=f"messages.{i}.content",
+                )
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None or part.model_extra:
                     got = f"a {part.type!r} part" if part.type != "text" else f"a text part with {part.model_dump()}"

@@ -142,6 +142,11 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
             "not a field",
         ),
         ({"regex": "a+", "min_tokens": 3}, "regex", "min_tokens.*grammar"),
+        (  # the body parser reads NaN; the message names where it is in the schema the client sent
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"maximum": float("nan")}}}},
+            "response_format",
+            "nan at maximum",
+        ),
     ],
     ids=[
         "bad-schema",
@@ -153,6 +158,7 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
         "unknown-key-text",
         "typo",
         "min-tokens",
+        "nan",
     ],
 )
 def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
@@ -268,6 +274,10 @@ def served_calls(server: Server, tool_choice, stream: bool, **more) -> tuple[lis
     content, finish = "", None
     for chunk in read_sse(response):
         for choice in chunk["choices"]:
+            assert choice["delta"] or choice["finish_reason"], (
+                f"tool_choice {tool_choice}: a chunk with nothing in it (text the parser holds back is sent with "
+                f"the call it belongs to): {chunk}"
+            )
             content += choice["delta"].get("content") or ""
             finish = choice["finish_reason"] or finish
             for delta in choice["delta"].get("tool_calls") or []:
