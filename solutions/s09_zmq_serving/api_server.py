@@ -340,6 +340,10 @@ class OpenAIServing:
         # whole request's (EngineClient.outputs).
         current = {"rid": rids[0]}
         unsent: dict[str, list[LogprobEntry]] = {r: [] for r in rids}
+        # Text a choice's tool-call parser holds back (a call not closed yet, whitespace that waits
+        # for what follows) would make a chunk with an empty delta: make_chunk marks it, and it is
+        # not sent (its log-probability entries wait for the chunk that gives the text out).
+        held = {"now": False}
 
         async def noting(pieces: AsyncIterator[OutputPiece]) -> AsyncIterator[OutputPiece]:
             async for piece in pieces:
@@ -349,12 +353,15 @@ class OpenAIServing:
 
         def make_chunk(text, finish_reason, usage_):
             choice, logprobs = current["rid"], None
-            if asked and text is not None:
-                logprobs, unsent[choice] = unsent[choice], []
             index = rids.index(choice)
             if kind == "chat" and parsers is not None and text is not None:
                 delta, finish_reason = stream_delta(parsers[choice], text, finish_reason)
+                held["now"] = not delta and finish_reason is None
+                if asked and not held["now"]:
+                    logprobs, unsent[choice] = unsent[choice], []
                 return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
+            if asked and text is not None:
+                logprobs, unsent[choice] = unsent[choice], []
             if kind == "chat":
                 delta = None if text is None else ({"content": text} if text else {})
                 return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
@@ -365,6 +372,9 @@ class OpenAIServing:
                 for index in range(len(rids)):
                     yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=index))
             async for line in stream_chunks(noting(outputs), make_chunk, plan.include_usage):
+                if held["now"]:
+                    held["now"] = False
+                    continue
                 yield line
         # Cut short (a worker's error, the server stopping, the time limit): a last event with
         # OpenAI's error body, and the stream still ends properly, so a client knows.

@@ -193,15 +193,23 @@ def test_a_stream_of_tool_chunks_is_well_formed(tiny_server):
                 "n": 2,
                 "seed": 3,
                 "stream": True,
+                "logprobs": True,
+                "stream_options": {"include_usage": True},
             },
             stream=True,
         )
+    )
+    entries = sum(len((c["choices"][0]["logprobs"] or {}).get("content") or []) for c in chunks if c["choices"])
+    assert entries == chunks[-1]["usage"]["completion_tokens"], (
+        f"the stream carries {entries} log-probability entries for {chunks[-1]['usage']['completion_tokens']} "
+        "tokens: text the tool-call parser holds back passes its entries on to the chunk that sends it"
     )
     finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks if c["choices"]}
     assert sorted(finishes) == [0, 1] and all(finishes.values()), f"each of 2 choices ends with a reason: {finishes}"
     for chunk in chunks:
         for choice in chunk["choices"]:
             assert set(choice["delta"]) <= {"role", "content", "tool_calls"}, f"a delta holds only those: {choice}"
+            assert choice["delta"] or choice["finish_reason"], f"a chunk with nothing in it: {chunk}"
 
 
 BAD = {"type": "function", "function": {"name": "f"}}
