@@ -52,7 +52,8 @@ def pytest_runtest_call(item):
     answer a one-token request (Server.check_answering), or the test fails at once."""
     for server in servers_of(item):
         server.check_answering()
-    with item.config.stash[STUCK_WATCH].running(item.nodeid):
+    takes = item.get_closest_marker("takes")
+    with item.config.stash[STUCK_WATCH].running(item.nodeid, takes.args[0] if takes else 0):
         return (yield)
 
 

@@ -107,11 +107,14 @@ class StuckWatch:
         return course_frames(frames, self.roots, self.repo)
 
     @contextmanager
-    def running(self, nodeid: str):
-        """Around one test's call: the watch thread wakes at the mark unless the test ended."""
+    def running(self, nodeid: str, takes_s: float = 0):
+        """Around one test's call: the watch thread wakes at the mark unless the test ended.
+        ``takes_s``: how long the test is known to take (``pytest.mark.takes``: a server that
+        starts processes), if past the mark: then its mark is that much later."""
         ended = threading.Event()
+        after_s = max(self.after_s, takes_s)
         thread = threading.Thread(
-            target=self.watch, args=(nodeid, threading.get_ident(), ended), name="stuck-watch", daemon=True
+            target=self.watch, args=(nodeid, threading.get_ident(), ended, after_s), name="stuck-watch", daemon=True
         )
         thread.start()
         try:
@@ -121,8 +124,8 @@ class StuckWatch:
                 ended.set()
                 self.failing = None
 
-    def watch(self, nodeid: str, thread_id: int, ended: threading.Event) -> None:
-        if ended.wait(self.after_s):
+    def watch(self, nodeid: str, thread_id: int, ended: threading.Event, after_s: float) -> None:
+        if ended.wait(after_s):
             return
         places: set[tuple[str, str]] = set()  # the innermost course function of each look
         path_now = ""
@@ -139,7 +142,7 @@ class StuckWatch:
                 if ended.is_set():
                     return
                 self.failing = (
-                    f"stuck again: still running after {self.after_s:g} s in {path_now}, where "
+                    f"stuck again: still running after {after_s:g} s in {path_now}, where "
                     f"{self.stuck_in[again]} got stuck before; stopped now instead of at the time limit. "
                     "A loop that never ends? (If it is only slow: ENGINE_STILL_RUNNING_S=SECONDS.)"
                 )
@@ -150,7 +153,7 @@ class StuckWatch:
             else:  # e.g. a stage 9 test waiting for its server, whose code runs in other processes
                 now = ", waiting outside this process's course code (for a server's answer, say)"
             self.say(
-                f"\n[still running after {self.after_s:g} s] {nodeid}{now} (Ctrl-C stops the run; the test fails "
+                f"\n[still running after {after_s:g} s] {nodeid}{now} (Ctrl-C stops the run; the test fails "
                 "at its time limit).\n"
             )
 

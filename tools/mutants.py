@@ -1707,7 +1707,39 @@ MUTANTS: list[Mutant] = [
             "            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype, device=device)",
             "            pass",
         ),
-        r"greedy|tokens|one device",
+        r"table row",
+    ),
+    Mutant(
+        "s12-follower-writes-only-new-slots",
+        "s12_tensor_parallel/tp_worker.py",
+        "a follower writes each request's whole table row: its cached prefix sits in slots an earlier step chose",
+        edit(
+            "            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype, device=device)",
+            "            table[row, len(slots) - 1 : len(slots)] = "
+            "torch.tensor(slots[-1:], dtype=table.dtype, device=device)",
+        ),
+        r"table row",
+    ),
+    Mutant(
+        "s12-follower-drops-prompt-rows",
+        "s12_tensor_parallel/tp_worker.py",
+        "a follower's batch scores the same prompt rows as rank 0's: every rank joins their gather",
+        edit("            extra_logit_rows=self.extra_logit_rows,\n", ""),
+        r"extra_logit_rows",
+    ),
+    Mutant(
+        "s12-replication-unchecked",
+        "s12_tensor_parallel/layers.py",
+        "KV heads fewer than ranks are replicated a whole number of times, or refused (2 KV heads on 3 ranks)",
+        edit("    if tp.size % num_kv_heads:\n", "    if False:\n"),
+        r"tp_size|replicat|divide",
+    ),
+    Mutant(
+        "s12-kv-head-by-kv-count",
+        "s12_tensor_parallel/layers.py",
+        "a replicated KV head goes to rank // replicas (replicas = tp_size / num_kv_heads), not rank // num_kv_heads",
+        edit("kv_head = tp.rank // replicas", "kv_head = tp.rank // num_kv_heads"),
+        r"KV head|head_ranges",
     ),
     Mutant(
         "s12-embedding-stop-inclusive",

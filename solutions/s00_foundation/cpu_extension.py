@@ -115,7 +115,11 @@ def alone_in(where: Path, name: str, note_after_s: float = 5.0) -> Iterator[None
                 break
             except BlockingIOError:  # another process is building (a first build takes seconds)
                 if not said and time.monotonic() - started > note_after_s:
-                    print(f"[{name}] waiting for another process building it in {where}", file=sys.stderr, flush=True)
+                    print(
+                        f"[{name}] waiting for another process building or loading it in {where}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     said = True
                 time.sleep(0.05)
         (where / "lock").unlink(missing_ok=True)

@@ -107,9 +107,40 @@ def follower_loop(runner, tp: TPGroup) -> int:
     """Run every batch rank 0 broadcasts until it says stop; returns the number of steps run."""
     steps = 0
     while (message := tp.broadcast_object()) is not None:
-        runner.forward(message.to_forward_batch(runner))
+        batch = message.to_forward_batch(runner)
+        check_rebuilt(message, batch)
+        runner.forward(batch)
         steps += 1
     return steps
+
+
+def check_rebuilt(message: BatchMessage, batch: ForwardBatch) -> None:
+    """Raise ValueError unless ``batch`` has the shape of rank 0's: the same tokens, requests and
+    mode, the same prompt rows scored. A batch that differs would still run (the collectives
+    only see tensors, and gloo gathers tensors of any size), giving rank 0 logits or sums that
+    are silently wrong; here the follower stops instead, naming the field."""
+    rebuilt = {
+        "len(input_ids)": len(batch.input_ids),
+        "len(positions)": len(batch.positions),
+        "extend_lens": list(batch.extend_lens),
+        "seq_lens": list(batch.seq_lens),
+        "forward_mode": batch.forward_mode,
+        "extra_logit_rows": list(batch.extra_logit_rows),
+    }
+    sent = {
+        "len(input_ids)": len(message.input_ids),
+        "len(positions)": len(message.positions),
+        "extend_lens": message.extend_lens,
+        "seq_lens": message.seq_lens,
+        "forward_mode": message.forward_mode,
+        "extra_logit_rows": message.extra_logit_rows,
+    }
+    for field, value in rebuilt.items():
+        if value != sent[field]:
+            raise ValueError(
+                f"to_forward_batch rebuilt rank 0's batch with {field} {value!r:.200}, rank 0 sent "
+                f"{sent[field]!r:.200}: a follower's batch must be the one rank 0 broadcast, field for field"
+            )
 
 
 def watch_parent() -> None:

@@ -32,9 +32,16 @@ from .parallel_state import TPGroup
 
 def read_shard(handle, name: str, shard: Shard) -> torch.Tensor:
     """Rows (or columns) ``shard.start:shard.stop`` of checkpoint tensor ``name``; rows past the
-    tensor's end are zeros."""
+    tensor's end are zeros for a padded shard (a vocabulary's last), a ValueError for any other."""
     piece = handle.get_slice(name)
     length = piece.get_shape()[shard.dim]
+    if shard.stop > length and not shard.padded:
+        # Zeros here would be a head or a slice of the MLP that no rank computes: wrong tokens, no error
+        what = "rows" if shard.dim == 0 else "columns"
+        raise ValueError(
+            f"{name} has {length} {what}, but this rank's shard asks for {what} {shard.start}:{shard.stop}: "
+            "the split hands out more than the checkpoint holds (see head_ranges)"
+        )
     stop = min(shard.stop, length)
     part = piece[shard.start : stop] if shard.dim == 0 else piece[:, shard.start : stop]
     if stop - shard.start < shard.size:  # padding of the last vocabulary slice

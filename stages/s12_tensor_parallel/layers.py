@@ -33,13 +33,15 @@ from .parallel_state import TPGroup
 @dataclass(frozen=True)
 class Shard:
     """Rows ``start:stop`` (dim 0) or columns (dim 1) of the checkpoint tensor ``name`` (relative
-    to the layer's parent module, without ``.weight``/``.bias``). ``stop`` may pass the tensor's
-    end: the missing rows are zeros (a vocabulary that does not divide by the TP size)."""
+    to the layer's parent module, without ``.weight``/``.bias``). Only a ``padded`` shard (the
+    last slice of a vocabulary that does not divide by the TP size) may pass the tensor's end:
+    the missing rows are zeros. Any other shard past the end is a split gone wrong."""
 
     name: str
     dim: int
     start: int
     stop: int
+    padded: bool = False
 
     @property
     def size(self) -> int:
@@ -47,7 +49,8 @@ class Shard:
 
 
 def split(n: int, tp: TPGroup) -> Shard:
-    """This rank's equal part of ``n`` rows (``n`` must divide by the TP size)."""
+    """This rank's equal part of ``n`` rows (``n`` divides by the TP size: rank_config refuses a model
+    whose heads or MLP do not)."""
     part = n // tp.size
     return Shard("", 0, tp.rank * part, (tp.rank + 1) * part)
 
@@ -107,7 +110,7 @@ class RowParallelLinear(nn.Module):
 def vocab_shard(name: str, vocab_size: int, tp: TPGroup) -> Shard:
     """This rank's rows of a [vocab, hidden] table: ceil(vocab / tp) each, the last padded with zeros."""
     part = -(-vocab_size // tp.size)
-    return Shard(name, 0, tp.rank * part, (tp.rank + 1) * part)
+    return Shard(name, 0, tp.rank * part, (tp.rank + 1) * part, padded=True)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -41,8 +41,14 @@ from .parallel_state import TPGroup
 
 
 def rank_config(config: ModelConfig, tp: TPGroup) -> ModelConfig:
-    """The config one rank sees: its own query and KV heads (``head_ranges``)."""
+    """The config one rank sees: its own query and KV heads (``head_ranges``). Raises ValueError
+    for a model that does not split into ``tp.size`` equal parts (its heads, or its MLP)."""
     q, kv = head_ranges(config.num_attention_heads, config.num_key_value_heads, tp)
+    if config.intermediate_size % tp.size:
+        raise ValueError(
+            f"intermediate_size={config.intermediate_size} does not divide by tp_size={tp.size}: each rank's MLP "
+            "must hold an equal slice"
+        )
     return replace(config, num_attention_heads=len(q), num_key_value_heads=len(kv))
 
 

@@ -73,4 +73,4 @@ def test_a_process_that_waits_for_a_live_build_says_so_and_goes_on_when_it_ends(
         assert waited > 1.0, f"entered after {waited:.2f} s, while the other process held the lock for 3 s"
         assert not (tmp_path / "lock").exists()
     assert holder.wait(timeout=30) == 0
-    assert f"[engine_k] waiting for another process building it in {tmp_path}" in capsys.readouterr().err
+    assert f"[engine_k] waiting for another process building or loading it in {tmp_path}" in capsys.readouterr().err

@@ -67,6 +67,14 @@ def test_a_test_past_its_mark_is_announced_with_where_it_is(course):
     time.sleep(0.4)
     assert len(said) == 1, f"a test that ended before its mark is not announced: {said[1:]}"
 
+    # pytest.mark.takes(1.0): a test known to take a second (a server starting) is said later
+    with watch.running("tests/test_x.py::test_server", takes_s=1.0):
+        spin_for(module, 0.8)
+    assert len(said) == 1, f"a test marked as taking 1 s is not announced at 0.8 s: {said[1:]}"
+    with watch.running("tests/test_x.py::test_server", takes_s=1.0):
+        spin_for(module, 1.4)
+    assert len(said) == 2 and "[still running after 1 s]" in said[1], said[1:]
+
 
 @pytest.mark.skipif(INTERRUPT is None, reason="the watch stops a test with a signal (POSIX)")
 def test_a_test_where_an_earlier_one_got_stuck_fails_at_its_mark(course):

@@ -1,7 +1,8 @@
 """Stage 12 (graded): how a model splits, checked in one process (no group needed: loading
 communicates with nobody). Every rank's slices, put back together, are the checkpoint's tensors;
 heads that cannot be split are refused with both numbers in the message; each embedding id is
-looked up by exactly the rank that owns it."""
+looked up by exactly the rank that owns it; a follower rebuilds the batch rank 0 broadcast,
+field for field, with every table row whole."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from s00_foundation.config import ModelConfig
+from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 from s12_tensor_parallel.engine import TPEngine
 from s12_tensor_parallel.layers import VocabParallelEmbedding, head_ranges
 from s12_tensor_parallel.parallel_state import TPGroup
+from s12_tensor_parallel.tp_worker import BatchMessage
 from s12_tensor_parallel.weight_loader import load_tp_model
 
 
@@ -34,7 +37,10 @@ def test_heads_split_and_kv_heads_replicate():
     )
 
 
-UNSPLITTABLE = [(4, 2, 3, ("4", "3")), (8, 3, 2, ("3", "2")), (8, 2, 3, ("8", "3"))]
+# Each case breaks exactly one rule, so a refusal is right in whatever order the checks run:
+# query heads that do not divide; KV heads, at least as many as ranks, that do not divide; KV
+# heads, fewer than ranks, that the ranks cannot replicate whole (2 heads on 3 ranks).
+UNSPLITTABLE = [(6, 4, 4, ("6", "4")), (8, 3, 2, ("3", "2")), (6, 2, 3, ("2", "3"))]
 
 
 @pytest.mark.parametrize("heads, kv_heads, tp, named", UNSPLITTABLE)
@@ -115,6 +121,16 @@ def test_shards_reassemble_to_the_checkpoint(tiny_models_root, family, tp):
         torch.testing.assert_close(
             torch.cat([p[i] for p in parts[::replicas]]), whole(f"self_attn.{name}"), msg=f"{family}: {name} rows"
         )
+        for rank, p in enumerate(parts):  # every replica holds its KV head, not only the first of each
+            first = rank - rank % replicas
+            torch.testing.assert_close(
+                p[i],
+                parts[first][i],
+                msg=lambda m, rank=rank, first=first, name=name: (
+                    f"{family}, tp={tp}: rank {rank}'s {name} rows should be the KV head rank {first} holds (ranks "
+                    f"{first}..{first + replicas - 1} share it: KV head rank // {replicas}): {m}"
+                ),
+            )
     torch.testing.assert_close(
         torch.cat([a.self_attn.o_proj.weight for a in layer], dim=1), whole("self_attn.o_proj"), msg="o_proj columns"
     )
@@ -140,3 +156,52 @@ def test_an_unsplittable_model_is_refused_before_any_process_starts(tiny_models_
     with pytest.raises(ValueError) as error:
         TPEngine(str(tiny_models_root / "qwen3"), tp_size=3, pool_size=64)
     assert "tp_size=3" in str(error.value), f"the error should name tp_size=3: {error.value}"
+
+
+class Follower:
+    """What to_forward_batch reads of a follower's runner: its device, table and attention backend."""
+
+    def __init__(self, rows: int, width: int):
+        self.device = torch.device("cpu")
+        self.req_to_token_pool = type("Pool", (), {"req_to_token": torch.full((rows, width), -1, dtype=torch.int32)})
+        self.attn_backend = object()
+
+
+def test_a_follower_rebuilds_rank_0s_batch_field_for_field():
+    # Rank 0's step: request in row 2 decodes its 6th token (5 cached: its first 3 from the radix
+    # cache, written by rank 0 in an earlier step), request in row 0 prefills 3 tokens after 2
+    # cached, and asks for its prompt's logits (row 2 of the pass).
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    table[2, :6] = torch.tensor([40, 41, 42, 7, 8, 9])
+    table[0, :5] = torch.tensor([40, 41, 11, 12, 13])
+    batch = ForwardBatch(
+        input_ids=torch.tensor([5, 60, 61, 62]),
+        positions=torch.tensor([5, 2, 3, 4]),
+        extend_lens=[1, 3],
+        seq_lens=[6, 5],
+        attn_backend=None,
+        req_pool_indices=torch.tensor([2, 0]),
+        out_cache_loc=torch.tensor([9, 11, 12, 13]),
+        extra_logit_rows=[1, 2],
+    )
+    message = BatchMessage.of(batch, table)
+    follower = Follower(4, 16)
+    rebuilt = message.to_forward_batch(follower)
+    got = follower.req_to_token_pool.req_to_token
+    for row, n in ((2, 6), (0, 5)):
+        assert got[row, :n].tolist() == table[row, :n].tolist(), (
+            f"table row {row} on the follower is {got[row, :n].tolist()}, rank 0's {table[row, :n].tolist()}: write "
+            "every slot of each request's row (table_rows), not only this pass's out_cache_loc; its cached prefix "
+            "sits in slots an earlier step (or the radix cache) chose"
+        )
+    assert rebuilt.forward_mode is ForwardMode.MIXED and rebuilt.attn_backend is follower.attn_backend
+    for name in ("input_ids", "positions", "req_pool_indices", "out_cache_loc"):
+        mine, sent = getattr(rebuilt, name), getattr(batch, name)
+        assert isinstance(mine, torch.Tensor) and mine.tolist() == sent.tolist() and mine.dtype == torch.int64, (
+            f"the follower's {name} should be an int64 tensor {sent.tolist()} (rank 0's), got {mine!r}"
+        )
+    for name in ("extend_lens", "seq_lens", "extra_logit_rows"):
+        assert list(getattr(rebuilt, name)) == list(getattr(batch, name)), (
+            f"the follower's {name} is {getattr(rebuilt, name)!r}, rank 0's {getattr(batch, name)!r}: every rank "
+            "runs the same batch (extra_logit_rows: every rank joins the gather of the prompt rows rank 0 scores)"
+        )

@@ -57,8 +57,9 @@ def test_greedy_tokens_equal_one_device(tp2):
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, (
             f"{path.name}, tp=2, prompt {i} ({len(PROMPTS[i])} tokens): greedy tokens {g}, one device's {e}; "
-            "check each rank's heads (head_ranges), the row-parallel all-reduce, the vocabulary-parallel embedding "
-            "and the logits' gather"
+            "check each rank's heads (head_ranges), the row-parallel all-reduce, the vocabulary-parallel embedding, "
+            "the logits' gather, and the batch a follower rebuilds (BatchMessage.to_forward_batch: each request's "
+            "table row whole; a prompt reusing a cached prefix reads slots written in an earlier step)"
         )
     assert engine.scheduler.stats.cached_tokens > cached_before, (
         f"{path.name}: the prompts sharing a 24-token prefix found nothing in the radix cache under TP"

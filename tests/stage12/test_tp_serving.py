@@ -20,6 +20,10 @@ from reference import engine_model, engine_tokenizer  # noqa: E402
 from s10_overlap_scheduling.engine import OverlapEngine  # noqa: E402
 from serving_helpers import Server, greedy, offline_outputs, stream_concurrently, wait_gone  # noqa: E402
 
+# Each test starts a server with its ranks (half a minute on a busy 2-core machine): the stuck
+# watch says "still running" only after that, not while a correct server is still starting.
+pytestmark = pytest.mark.takes(90)
+
 
 def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_path_factory):
     path = tiny_models_root / "llama"
