@@ -130,10 +130,13 @@ def install_error_handlers(app: FastAPI) -> None:
             # (a misspelt "temprature" is then plain to see)
             allowed = fields_at(body_model.annotation, first["loc"][1:-1])
             if allowed:
-                close = difflib.get_close_matches(str(first["loc"][-1]), allowed, n=1)
+                unknown = ".".join(map(str, first["loc"][1:]))[:200]  # the key as sent, whatever its characters
+                close = difflib.get_close_matches(str(first["loc"][-1])[:100], allowed, n=1)
                 guess = f" (did you mean {close[0]}?)" if close else ""
                 return error_response(
-                    400, f"{where}: unknown field{guess}; the fields allowed here are {', '.join(allowed)}", param=where
+                    400,
+                    f"{unknown}: unknown field{guess}; the fields allowed here are {', '.join(allowed)}",
+                    param=unknown,
                 )
         message = f"{where}: {first['msg']}" + (f" (got {first['input']!r:.80})" if "input" in first and loc else "")
         return error_response(400, message, param=where if loc else None)
