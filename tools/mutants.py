@@ -858,6 +858,32 @@ MUTANTS: list[Mutant] = [
         ),
         r"lock",
     ),
+    Mutant(
+        "s06-leaf-never-used",
+        "s06_radix_cache/radix_cache.py",
+        "a new leaf counts as used when insert makes it (its access time from the clock), so it is not evicted first",
+        edit(
+            "            leaf = TreeNode(next(self._node_ids), key, slots.clone(), node, next(self._clock))",
+            "            leaf = TreeNode(next(self._node_ids), key, slots.clone(), node, 0)",
+        ),
+        r"used|evict",
+    ),
+    Mutant(
+        "s06-match-splits-inside-a-page",
+        "s06_radix_cache/radix_cache.py",
+        "a match compares whole pages, so an edge is split only between pages",
+        edit(
+            """            self._touch(child)
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split_node(child, n)""",
+            """            self._touch(child)
+            n = next((i for i, (a, b) in enumerate(zip(child.key, key)) if a != b), min(len(child.key), len(key)))
+            if n < len(child.key):
+                node = self._split_node(child, n)""",
+        ),
+        r"page",
+    ),
     # --- stage 7: chunked prefill -------------------------------------------------------------
     Mutant(
         "s07-no-chunking",
@@ -949,6 +975,43 @@ MUTANTS: list[Mutant] = [
         "the tree's copy of a half-prefilled request's chunks is locked for it: a running request's prefix stays",
         edit("        self.lock(new_match)\n", ""),
         r"lock",
+    ),
+    Mutant(
+        "s07-chunk-ignores-room",
+        "s07_chunked_prefill/scheduler.py",
+        "a half-prefilled request's next chunk fits the pool's room after what the running requests keep back",
+        edit(
+            "            chunk = self.next_chunk_len(req, budget)",
+            "            chunk = self.prefill_len(req, req.cached_len, budget)",
+        ),
+        r"next_chunk_len|room",
+    ),
+    Mutant(
+        "s07-chunk-rounded-to-pages",
+        "s07_chunked_prefill/scheduler.py",
+        "a chunk is cut to the budget in tokens, never rounded up to whole pages",
+        edit(
+            "        return min(rest, budget)",
+            "        return min(rest, -(-budget // self.page_size) * self.page_size)",
+        ),
+        r"budget",
+    ),
+    Mutant(
+        "s07-continuing-not-scheduled",
+        "s07_chunked_prefill/scheduler.py",
+        "the continuing chunk counts as admitted first: waiting requests are admitted after it, within the rows left",
+        edit(
+            "admit_waiting(scheduled=[*scheduled, *continuing], budget=budget)",
+            "admit_waiting(scheduled=scheduled, budget=budget)",
+        ),
+        r"table row|scheduled",
+    ),
+    Mutant(
+        "s07-continuing-not-returned",
+        "s07_chunked_prefill/scheduler.py",
+        "admit_new_requests returns the half-prefilled request's chunk with the newly admitted requests",
+        edit("        return continuing + self.admit_waiting(", "        return self.admit_waiting("),
+        r"admit_new_requests|half-prefilled",
     ),
     Mutant(
         "s07-pending-not-marked-cached",

@@ -54,7 +54,7 @@ def check_present_covers_match(present: int, match: PrefixMatch) -> None:
 
 class TreeNode:
     def __init__(
-        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int = 0
+        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None, last_access_time: int
     ):
         self.key = key  # the token ids of the edge from the parent to this node
         self.value = value  # int64 [len(key)]: the slot holding each token's K/V
@@ -75,7 +75,7 @@ class RadixCache:
         self.device = allocator.device
         self._clock = itertools.count(1)  # a logical clock: deterministic LRU order, unlike wall time
         self._node_ids = itertools.count()
-        self.root = TreeNode(next(self._node_ids), [], self._empty(), None)
+        self.root = TreeNode(next(self._node_ids), [], self._empty(), None, 0)
         self.root.lock_ref = 1  # the root holds nothing and is never evicted
         self.evictable_size_ = 0  # tokens in unlocked nodes
         self.protected_size_ = 0  # tokens in locked nodes
@@ -224,7 +224,8 @@ class RadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Give unlocked leaves back to the allocator, least recently used first, until at least
-        ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed."""
+        ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed, and
+        adds them to ``evicted_tokens`` (the count the engine's statistics report)."""
         evicted = 0
         # BEGIN EXERCISE: evict unlocked leaves, least recently used first [#what-you-write]
         heap = [node for node in self._all_nodes() if not node.children and node.lock_ref == 0]

@@ -113,7 +113,9 @@ class ChunkedPrefillScheduler(RadixScheduler):
         """The half-prefilled request's next chunk first, then stage 5's admission of waiting
         requests in what is left of the budget (where the last one admitted may be cut), minus
         those held back for sharing a prefix with a request ahead of them (``admit_waiting``).
-        ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default)."""
+        ``scheduled`` and ``budget``: as in stage 5 (the step's budget by default). Returns every
+        request that prefills in this pass: the half-prefilled one first (when its chunk runs), then
+        those newly admitted; step() makes them all running."""
         budget = self.step_budget() if budget is None else budget
         continuing: list[Req] = []
         # BEGIN EXERCISE: the half-prefilled request's next chunk first, then the waiting requests'

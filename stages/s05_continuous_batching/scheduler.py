@@ -27,6 +27,7 @@ from s02_request_and_sampling.logprobs import TokenLogprob
 from s02_request_and_sampling.prompt_logprobs import score_prompts
 from s02_request_and_sampling.req import FinishReason, Req, TimeStats
 from s04_paged_kv_pool.allocator import pages_for
+from s04_paged_kv_pool.memory_pool import PoolExhaustedError
 from s04_paged_kv_pool.model_runner import ModelRunner
 
 from .prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
@@ -191,8 +192,15 @@ class Scheduler:
     def start_req(self, req: Req, match: PrefixMatch) -> None:
         """Give an admitted request a table row whose first ``match.cached_len`` positions point
         at the cached slots (none here); its next pass computes the rest of its fill_ids."""
+        try:
+            [row] = self.runner.req_to_token_pool.alloc(1)
+        except PoolExhaustedError as error:  # the pool has max_running_requests rows: admission miscounted
+            raise PoolExhaustedError(
+                f"{error}. Admission started request {req.rid} with every table row taken: it admits only while the "
+                "requests holding a row (reqs_holding_memory()) and those admitted in this step (stage 7: the "
+                "half-prefilled request's next chunk among them) are fewer than max_running_requests"
+            ) from None
         self.prefix_cache.lock(match)
-        [row] = self.runner.req_to_token_pool.alloc(1)
         self.runner.req_to_token_pool.req_to_token[row, : match.cached_len] = match.slots
         req.req_pool_idx, req.prefix_match, req.cached_len = row, match, match.cached_len
         req.time_stats.scheduled.append(self.clock())
@@ -305,10 +313,16 @@ class Scheduler:
 
     def nothing_can_run(self, head: Req) -> RuntimeError:
         """The error of a step that has nothing to run while ``head`` waits: its prefill cannot fit."""
+        need, free = slots_to_extend(head, self.page_size), self.available_slots()
+        why = (
+            "nothing running will free more"
+            if need > free
+            else "so it fits, yet admission admitted no one: admit_new_requests returns every request it started "
+            "(stage 7: the half-prefilled request's next chunk first)"
+        )
         return RuntimeError(
-            f"nothing can run: request {head.rid} is first in line and its prefill needs "
-            f"{slots_to_extend(head, self.page_size)} KV slots, {self.available_slots()} of "
-            f"{self.runner.allocator.size} are free and nothing running will free more"
+            f"nothing can run: request {head.rid} is first in line and its prefill needs {need} KV slots, {free} of "
+            f"{self.runner.allocator.size} are free; {why}"
         )
 
     def record_step(

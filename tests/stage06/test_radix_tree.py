@@ -145,6 +145,21 @@ def test_locked_nodes_survive_eviction_and_lru_goes_first():
     cache.check()
 
 
+def test_a_new_leaf_is_the_most_recently_used():
+    allocator = TokenToKVPoolAllocator(64)
+    cache = watch_evict(RadixCache(allocator))
+    finish(cache, allocator, [1, 1, 1])
+    cache.match_prefix([1, 1, 1])
+    finish(cache, allocator, [2, 2, 2])  # inserted after [1, 1, 1] was last used
+    freed = cache.evict(1)
+    keys = [child.key for child in cache.root.children.values()]
+    assert freed == 3 and keys == [[2, 2, 2]], (
+        f"[1, 1, 1] was last used before [2, 2, 2] was inserted, so evict(1) should free [1, 1, 1]; it freed {freed}, "
+        f"leaving {keys}: the leaf insert makes counts as used when it is made (its last_access_time from the clock)"
+    )
+    cache.check()
+
+
 def test_an_unlock_without_a_matching_lock_raises_and_changes_nothing():
     allocator = TokenToKVPoolAllocator(64)
     cache = watch_evict(RadixCache(allocator))
@@ -194,17 +209,30 @@ def test_pages_match_in_whole_pages():
         f"page size 4: a 10-token sequence keeps its 2 whole pages (8 tokens) and frees its partial page; the tree "
         f"holds {cache.total_size()} tokens and {allocator.size - allocator.available_size()} slots are taken"
     )
-    for query, n in [(list(range(10, 20)), 8), (list(range(10, 17)), 4), ([10, 11, 12, 99, 14], 0)]:
+    queries = [
+        ([10, 11, 12, 13, 14, 15, 99, 99], 4),  # leaves the cached 8-token edge inside its second page
+        (list(range(10, 20)), 8),
+        (list(range(10, 17)), 4),
+        ([10, 11, 12, 99, 14], 0),
+    ]
+    for query, n in queries:
         got = cache.match_prefix(query).cached_len
         assert got == n, f"page size 4: match_prefix({query}) should find {n} tokens (whole pages only), got {got}"
+        edges = sorted(len(node.key) for node in cache._all_nodes() if node is not cache.root)
+        assert all(length % 4 == 0 for length in edges), (
+            f"page size 4: after match_prefix({query}) the tree's edges hold {edges} tokens: an edge is split only "
+            "between whole pages (compare page by page: _match_len)"
+        )
     cache.check()
 
 
 OPS = st.sampled_from(["start", "start", "finish", "finish", "evict"])
 
 
+# derandomize: every run (and every learner of a class) meets the same 50 cases, so a bug is caught
+# on every run or on none, never on some: the .hypothesis/ folder's replays would make it flicker
 @pytest.mark.parametrize("page_size", [1, 2])
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, derandomize=True, database=None)
 @given(data=st.data())
 def test_random_operations_keep_the_invariants(page_size, data):
     allocator = TokenToKVPoolAllocator(96, page_size=page_size)

@@ -30,13 +30,29 @@ def chunked_engine(path, chunked_prefill_size, **knobs):
 
     def checked_step():
         nonlocal steps
+        pending = engine.scheduler.chunked_req
         outputs = real_step()
         steps += 1
         check_chunked_req_not_running(engine, f"after step {steps}")
+        check_not_lost(engine, pending, f"after step {steps}")
         return outputs
 
     engine.step = checked_step
     return engine, recorder
+
+
+def check_not_lost(engine, pending, what: str) -> None:
+    """The request that was half prefilled before a step is, after it, still half prefilled,
+    running, waiting (retracted) or finished: anywhere else, no step would ever run it again."""
+    scheduler = engine.scheduler
+    if pending is None or pending.finished or pending is scheduler.chunked_req:
+        return
+    if not any(req is pending for req in (*scheduler.running, *scheduler.waiting)):
+        raise AssertionError(
+            f"{what}: request {pending.rid} was half prefilled (chunked_req) before this step and is now nowhere: not "
+            "chunked_req, running, waiting nor finished. admit_new_requests returns the half-prefilled request's "
+            "next chunk first, with the newly admitted requests, and step() makes them all running"
+        )
 
 
 def greedy(max_new_tokens: int) -> SamplingParams:

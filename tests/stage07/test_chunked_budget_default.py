@@ -40,7 +40,8 @@ def test_generate_takes_the_offline_budget_and_the_step_api_the_serving_one(tiny
     assert first_pass_tokens(recorder, 0) == OFFLINE_CHUNKED_PREFILL_SIZE, (
         f"{what}: generate()'s first pass should compute {OFFLINE_CHUNKED_PREFILL_SIZE} prompt tokens (five whole "
         f"prompts and a chunk of the sixth), it computed {first_pass_tokens(recorder, 0)}: offline, nobody reads a "
-        "stream, so its steps take the offline budget"
+        "stream, so its steps take the offline budget, and the last prompt admitted is cut to what is left of it "
+        "(prefill_len cuts to the step's budget left, not to chunked_prefill_size)"
     )
     assert max(map(prefill_tokens, recorder.passes)) <= OFFLINE_CHUNKED_PREFILL_SIZE
 

@@ -2,16 +2,18 @@
 
 After each chunk the request's K/V go to the prefix cache: with the radix cache its finished
 chunks are in the tree (locked for it) and another request with the same prefix reuses them;
-nothing is freed twice. A small pool retracts the half-prefilled request first, an abort frees
-it, and the pool and tree invariants hold after every step."""
+nothing is freed twice. A small pool retracts the half-prefilled request first, or its next chunk
+waits for room; an abort frees it, and the pool and tree invariants hold after every step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chunked_helpers import assert_pool_free_after_tree, check_all, chunked_engine, greedy, random_prompt, run_checked
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
+from s04_paged_kv_pool.memory_pool import PoolExhaustedError
 from s07_chunked_prefill.engine import Engine
 from s07_chunked_prefill.prefix_cache import ChunkedRadixCache
 
@@ -167,8 +169,33 @@ def test_small_pool_retracts_the_half_prefilled_request_and_recovers(tiny_models
         reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
         assert retracted_mid_prefill, (
             f"{what}: the workload is built to run short while a prompt is half prefilled, yet no half-prefilled "
-            "request was retracted"
+            "request was retracted (were its chunks cut to the step's budget left? prefill_len)"
         )
+        for i, (req, ref) in enumerate(zip(reqs, expected)):
+            assert_same_tokens(req.output_ids, ref, f"{what}: request {i} vs transformers")
+        assert_pool_free_after_tree(engine, what)
+
+
+def test_a_chunk_waits_for_room_in_a_small_pool(tiny_models_root):
+    path = tiny_models_root / "qwen3"
+    prompts = [random_prompt(n, seed=n) for n in (6, 9, 30, 5, 3, 25, 4)]
+    limits = [20, 12, 4, 15, 9, 5, 8]
+    expected = [hf_greedy(path, prompt, n) for prompt, n in zip(prompts, limits)]
+    for radix in (True, False):
+        what = (
+            "qwen3, pool of 48 slots, chunked_prefill_size=16, new_token_ratio=0, radix cache "
+            f"{'on' if radix else 'off'}"
+        )
+        engine, _ = chunked_engine(path, 16, pool_size=48, new_token_ratio=0.0, enable_radix_cache=radix)
+        try:
+            reqs = run_checked(engine, prompts, [greedy(n) for n in limits], what)
+        except PoolExhaustedError as error:
+            pytest.fail(
+                f"{what}: {error}. The pool ran dry in a step: a half-prefilled prompt's next chunk takes only the "
+                "room left after what the running requests keep back (next_chunk_len; 0 means it waits a step), "
+                "not the whole budget, and the waiting requests admitted after it count it as scheduled in this "
+                "step (admit_waiting's scheduled)"
+            )
         for i, (req, ref) in enumerate(zip(reqs, expected)):
             assert_same_tokens(req.output_ids, ref, f"{what}: request {i} vs transformers")
         assert_pool_free_after_tree(engine, what)

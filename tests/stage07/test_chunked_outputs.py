@@ -23,6 +23,17 @@ def workload(budget: int):
     return prompts, [5, 4, 6, 5, 3]
 
 
+def assert_within_budget(recorder, budget: int, what: str) -> None:
+    """No forward pass computed more prompt tokens than the budget (a budget of 1 aside: there a
+    chunk of one token looks like a decode in the pass's extend_lens)."""
+    for number, (extend_lens, _) in enumerate(recorder.passes, 1):
+        prefill = sum(e for e in extend_lens if e > 1) if budget > 1 else None
+        assert prefill is None or prefill <= budget, (
+            f"{what}: forward pass {number} computed {prefill} prompt tokens ({extend_lens}), more than the budget "
+            f"of {budget} (a chunk is cut to the budget in tokens, not rounded to whole pages: prefill_len)"
+        )
+
+
 @pytest.mark.parametrize("budget", [1, 2, 7, 16])
 def test_greedy_tokens_identical_to_unchunked_and_transformers(tiny_model_dir, budget):
     prompts, limits = workload(budget)
@@ -34,12 +45,7 @@ def test_greedy_tokens_identical_to_unchunked_and_transformers(tiny_model_dir, b
         assert_same_tokens(
             req.output_ids, expected, f"{what}: request {i} ({len(prompt)}-token prompt) vs transformers"
         )
-    for number, (extend_lens, _) in enumerate(recorder.passes, 1):
-        prefill = sum(e for e in extend_lens if e > 1) if budget > 1 else None
-        assert prefill is None or prefill <= budget, (
-            f"{what}: forward pass {number} computed {prefill} prompt tokens ({extend_lens}), more than the budget "
-            f"of {budget}"
-        )
+    assert_within_budget(recorder, budget, what)
     longest = max(len(p) for p in prompts)
     assert len(recorder.passes) >= -(-longest // budget), (
         f"{what}: a {longest}-token prompt needs at least {-(-longest // budget)} passes with a budget of {budget}, "
@@ -61,7 +67,7 @@ def test_every_budget_and_page_size_gives_the_tokens_of_transformers(tiny_models
             f"qwen2, chunked_prefill_size={budget}, page_size={page_size}, radix cache "
             f"{'on' if enable_radix_cache else 'off'}"
         )
-        engine, _ = chunked_engine(
+        engine, recorder = chunked_engine(
             path,
             budget,
             page_size=page_size,
@@ -74,6 +80,7 @@ def test_every_budget_and_page_size_gives_the_tokens_of_transformers(tiny_models
             assert_same_tokens(
                 req.output_ids, ref, f"{what}: request {i} ({len(prompts[i])}-token prompt) vs transformers"
             )
+        assert_within_budget(recorder, budget, what)
         assert_pool_free_after_tree(engine, what)
 
 
