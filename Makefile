@@ -210,7 +210,8 @@ prove-fail: setup
 	$(PY) tools/prove_tests_fail.py $(if $(STAGES),--stages $(STAGES))
 
 grade: setup
-	$(PY) tools/grade.py $(CHECKOUTS) $(if $(STAGES),--stages $(STAGES)) $(if $(ISOLATED),--isolated)
+	$(PY) tools/grade.py $(CHECKOUTS) $(if $(STAGES),--stages $(STAGES)) $(if $(ISOLATED),--isolated) \
+		$(if $(JUNIT_DIR),--junit-dir $(JUNIT_DIR)) $(if $(STAGE_TIMEOUT),--stage-timeout $(STAGE_TIMEOUT))
 
 # The course's own mutation check (tools/mutants.py): too slow for CI, which only checks that every
 # mutant still applies (tests/course/test_mutants.py). The kill rate goes in the README.

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytest_timeout
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
@@ -40,6 +41,14 @@ def pytest_configure(config):
     config.stash[STUCK_WATCH] = make_watch(config, roots, REPO)
 
 
+def time_limit(item) -> float | None:
+    """The test's time limit (pytest-timeout's: its marker, else PYTEST_TIMEOUT or pyproject.toml)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0]) or None
+    return pytest_timeout.get_env_settings(item.config).timeout or None
+
+
 def servers_of(item) -> list:
     """The running servers a test uses as fixtures (stage 9's ``Server``, also in stages 10 and 11)."""
     return [value for value in getattr(item, "funcargs", {}).values() if hasattr(value, "check_answering")]
@@ -53,7 +62,7 @@ def pytest_runtest_call(item):
     for server in servers_of(item):
         server.check_answering()
     takes = item.get_closest_marker("takes")
-    with item.config.stash[STUCK_WATCH].running(item.nodeid, takes.args[0] if takes else 0):
+    with item.config.stash[STUCK_WATCH].running(item.nodeid, takes.args[0] if takes else 0, time_limit(item)):
         return (yield)
 
 

@@ -24,6 +24,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable
@@ -39,8 +40,22 @@ TIMED_OUT = re.compile(r"Timeout \(>([\d.]+)s\) from pytest-timeout")
 Frame = tuple[str, int, str]  # (file, line, function)
 
 
+class StuckTest(BaseException):
+    """How the watch stops a test: a BaseException, so that neither the code under test (an
+    ``except Exception``) nor hypothesis, which takes pytest's ``Failed`` for a failing example
+    and runs the test again to shrink it, can catch it and go on. pytest reports it as a failure.
+    ``limit_s``: the time limit the test had passed, None for one stopped at its mark."""
+
+    def __init__(self, message: str, limit_s: float | None = None):
+        super().__init__(message)
+        self.limit_s = limit_s
+
+
 def timed_out_after(error: BaseException) -> float | None:
-    """The limit pytest-timeout stopped a test at (``timeout`` in pyproject.toml), or None."""
+    """The limit a test was stopped at (``timeout`` in pyproject.toml), by pytest-timeout or by the
+    watch's backstop, or None."""
+    if isinstance(error, StuckTest):
+        return error.limit_s
     found = TIMED_OUT.match(str(error)) if isinstance(error, pytest.fail.Exception) else None
     return float(found.group(1)) if found else None
 
@@ -97,7 +112,7 @@ class StuckWatch:
         self.roots, self.repo, self.after_s, self.say = roots, repo, after_s, say
         self.stuck_in: dict[tuple[str, str], str] = {}  # (file, function) a test got stuck in -> that test
         self.seen: dict[str, set[tuple[str, str]]] = {}  # test -> where it was at its mark (kept if it gets stuck)
-        self.failing: str | None = None  # the message the main thread raises when interrupted
+        self.failing: tuple[str, float | None] | None = None  # what the main thread raises when interrupted
         # Reentrant: the signal handler runs on the main thread, possibly while that thread holds it.
         self.lock = threading.RLock()
         if INTERRUPT is not None and threading.current_thread() is threading.main_thread():
@@ -107,14 +122,18 @@ class StuckWatch:
         return course_frames(frames, self.roots, self.repo)
 
     @contextmanager
-    def running(self, nodeid: str, takes_s: float = 0):
+    def running(self, nodeid: str, takes_s: float = 0, limit_s: float | None = None):
         """Around one test's call: the watch thread wakes at the mark unless the test ended.
         ``takes_s``: how long the test is known to take (``pytest.mark.takes``: a server that
-        starts processes), if past the mark: then its mark is that much later."""
+        starts processes), if past the mark: then its mark is that much later. ``limit_s``: the
+        test's time limit (pytest-timeout's), for the backstop (``watch``)."""
         ended = threading.Event()
         after_s = max(self.after_s, takes_s)
         thread = threading.Thread(
-            target=self.watch, args=(nodeid, threading.get_ident(), ended, after_s), name="stuck-watch", daemon=True
+            target=self.watch,
+            args=(nodeid, threading.get_ident(), ended, after_s, limit_s),
+            name="stuck-watch",
+            daemon=True,
         )
         thread.start()
         try:
@@ -124,7 +143,36 @@ class StuckWatch:
                 ended.set()
                 self.failing = None
 
-    def watch(self, nodeid: str, thread_id: int, ended: threading.Event, after_s: float) -> None:
+    def watch(self, nodeid: str, thread_id: int, ended: threading.Event, after_s: float, limit_s: float | None) -> None:
+        started = time.monotonic()
+        self.at_mark(nodeid, thread_id, ended, after_s)
+        if limit_s is None or INTERRUPT is None:
+            return
+        # The time limit fails a test once. Code that catches that failure and goes on would then
+        # run unbounded: hypothesis does, taking it for a failing example that it runs again to
+        # shrink. So a test still running one mark past its limit is stopped with StuckTest,
+        # which nothing catches, and again at every mark after, until it ends.
+        wait = started + limit_s + after_s - time.monotonic()
+        while not ended.wait(max(wait, 0)):
+            self.interrupt(
+                thread_id,
+                ended,
+                f"stuck: still running {after_s:g} s after its time limit of {limit_s:g} s stopped it (the code it "
+                "runs caught that and went on); stopped for good now. A loop that never ends?",
+                limit_s,
+            )
+            wait = after_s
+
+    def interrupt(self, thread_id: int, ended: threading.Event, message: str, limit_s: float | None = None) -> None:
+        """Make the test's thread raise StuckTest(message) (unless it ended meanwhile)."""
+        with self.lock:
+            if ended.is_set():
+                return
+            self.failing = (message, limit_s)
+            signal.pthread_kill(thread_id, INTERRUPT)
+
+    def at_mark(self, nodeid: str, thread_id: int, ended: threading.Event, after_s: float) -> None:
+        """At the mark: stop a test found where an earlier one got stuck, else say where it is."""
         if ended.wait(after_s):
             return
         places: set[tuple[str, str]] = set()  # the innermost course function of each look
@@ -138,15 +186,13 @@ class StuckWatch:
         self.seen[nodeid] = places
         again = next((place for place in places if place in self.stuck_in), None)
         if again is not None and INTERRUPT is not None:
-            with self.lock:
-                if ended.is_set():
-                    return
-                self.failing = (
-                    f"stuck again: still running after {after_s:g} s in {path_now}, where "
-                    f"{self.stuck_in[again]} got stuck before; stopped now instead of at the time limit. "
-                    "A loop that never ends? (If it is only slow: ENGINE_STILL_RUNNING_S=SECONDS.)"
-                )
-                signal.pthread_kill(thread_id, INTERRUPT)
+            self.interrupt(
+                thread_id,
+                ended,
+                f"stuck again: still running after {after_s:g} s in {path_now}, where "
+                f"{self.stuck_in[again]} got stuck before; stopped now instead of at the time limit. "
+                "A loop that never ends? (If it is only slow: ENGINE_STILL_RUNNING_S=SECONDS.)",
+            )
         elif self.say is not None:
             if path_now:
                 now = f"; now in {path_now}. Most tests take seconds: if this one goes on, a loop may never end"
@@ -158,12 +204,12 @@ class StuckWatch:
             )
 
     def interrupted(self, signum, frame) -> None:
-        """In the main thread: fail the test the watch found stuck again (if it is still running)."""
+        """In the main thread: stop the test the watch found stuck (if it is still running)."""
         __tracebackhide__ = True  # the test's traceback ends in its own code, not here
         with self.lock:
-            message, self.failing = self.failing, None
-        if message is not None:
-            pytest.fail(message, pytrace=True)
+            failing, self.failing = self.failing, None
+        if failing is not None:
+            raise StuckTest(*failing)
 
     def got_stuck(self, nodeid: str, frames: Iterable[Frame]) -> str | None:
         """A test stopped by the time limit: remember where it was (its innermost course function

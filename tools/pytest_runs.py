@@ -6,8 +6,10 @@ nothing here depends on pytest's console output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +28,7 @@ class Run:
     outcomes: dict[str, str]  # test id -> passed / failed / error / skipped
     returncode: int
     output: str
+    timed_out: bool = False  # stopped at its time limit (what it had reported by then is lost)
 
 
 def child_env(**switch: str) -> dict[str, str]:
@@ -50,11 +53,21 @@ def read_junit(path: Path) -> dict[str, str]:
 
 
 def run_pytest(
-    paths: list[str], env: dict[str, str], junit: Path | None = None, root: Path = REPO, extra: tuple[str, ...] = ()
+    paths: list[str],
+    env: dict[str, str],
+    junit: Path | None = None,
+    root: Path = REPO,
+    extra: tuple[str, ...] = (),
+    timeout_s: float | None = None,
 ) -> Run:
-    """Run every test under `paths` (no -x: each test must run) and collect outcomes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        junit = junit or Path(tmp) / "junit.xml"
+    """Run every test under `paths` (no -x: each test must run) and collect outcomes. Past
+    ``timeout_s`` the run is interrupted as Ctrl-C would (pytest then writes its report of the
+    tests that ran), and killed with every process it started (a server, a rank) if it is still
+    there STOP_GRACE_S later: a loop the tests' own limits cannot stop (one at import time, in a
+    fixture) holds no one forever."""
+    with contextlib.ExitStack() as stack:
+        if junit is None:
+            junit = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "junit.xml"
         command = [
             sys.executable,
             "-m",
@@ -67,9 +80,42 @@ def run_pytest(
             f"--junitxml={junit}",
             *extra,
         ]
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+        child = subprocess.Popen(
+            command,
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            output, _ = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            output = stop(child)
         outcomes = read_junit(junit) if junit.is_file() else {}
-    return Run(outcomes, done.returncode, done.stdout + done.stderr)
+    return Run(outcomes, child.returncode, output, timed_out)
+
+
+STOP_GRACE_S = 30  # how long a run interrupted at its time limit has to write its report
+
+
+def stop(child: subprocess.Popen) -> str:
+    """Interrupt a run started in its own session (Ctrl-C: pytest ends the session and writes its
+    report), kill it and everything it started if it is still there STOP_GRACE_S later; its output."""
+    if not hasattr(os, "killpg"):  # Windows: no process groups
+        child.kill()
+        return child.communicate()[0]
+    os.killpg(child.pid, signal.SIGINT)
+    try:
+        output = child.communicate(timeout=STOP_GRACE_S)[0]
+    except subprocess.TimeoutExpired:
+        output = ""
+    with contextlib.suppress(ProcessLookupError):  # whatever it started may still run: a server, a rank
+        os.killpg(child.pid, signal.SIGKILL)
+    return output + (child.communicate()[0] or "")
 
 
 def collect(paths: list[str], env: dict[str, str], root: Path = REPO) -> list[str]:

@@ -6,10 +6,13 @@ skips), stage 2 (one honest test) and stage 3 (no tests yet).
 
 from __future__ import annotations
 
+import csv
+import json
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -107,6 +110,11 @@ def tool(name: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess
     )
 
 
+def grade(course: Path, reports: Path, *args: str) -> subprocess.CompletedProcess:
+    """tools/grade.py on the tiny course, its reports in ``reports``."""
+    return tool("grade.py", "--root", str(course), "--junit-dir", str(reports), *args)
+
+
 def test_prove_reports_tests_that_pass_or_skip_on_the_skeleton(course):
     done = tool("prove_tests_fail.py", "--root", str(course))
     assert done.returncode == 1, done.stdout + done.stderr
@@ -140,18 +148,8 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     empty.mkdir()
     reports = tmp_path / "reports"
 
-    done = tool(
-        "grade.py",
-        "--root",
-        str(course),
-        "--junit-dir",
-        str(reports),
-        str(finished),
-        str(untouched),
-        str(broken),
-        str(empty),
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = grade(course, reports, str(finished), str(untouched), str(broken), str(empty))
+    assert done.returncode == 1, f"a checkout that could not be graded makes the exit status 1:\n{done.stdout}"
     tables = {block.split("\n", 1)[0].strip(): block for block in done.stdout.split("== ")[1:]}
 
     def score(name, stage):
@@ -166,8 +164,38 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
         f"a broken checkout should say why:\n{broken_rows}"
     )
     assert next(line for line in broken_rows.splitlines() if line.split()[:1] == ["2"]).split()[3] == "1", broken_rows
+    assert "(at stages/s02_mul/__init__.py:1)" in broken_rows, f"the first error says where:\n{broken_rows}"
     assert "first error:" not in tables[str(tmp_path / "untouched")], "failing tests are not errors"
     assert "no stages/ folder" in tables[str(empty)]
+    untouched_row = next(line for line in tables[str(untouched)].splitlines() if line.split()[:1] == ["1"])
+    assert untouched_row.split()[2:6] == ["1", "0", "1", "1"], (
+        f"untouched stage 1: 1 failed, 0 errors, 1 skipped, 1 unwritten (add is an exercise): {untouched_row}"
+    )
+
+    class_table = done.stdout.split("\ncheckout")[1].split("\n\n")[0]  # the class's table: a row per checkout
+    class_rows = {line.split()[0]: line.split()[1:] for line in class_table.splitlines()[1:]}
+    assert class_rows["finished"] == ["2/3", "1/1", "3/4"] and class_rows["broken"][1] == "0/1", class_rows
+    assert class_rows["empty"][:2] == ["not", "graded:"], class_rows
+    summary = json.loads((reports / "summary.json").read_text())
+    by_name = {c["name"]: c for c in summary["checkouts"]}
+    assert by_name["finished"]["stages"][0] | {"seconds": 0} == {
+        "stage": 1,
+        "total": 3,
+        "passed": 2,
+        "failed": 0,
+        "errors": 0,
+        "skipped": 1,
+        "unwritten": 0,
+        "seconds": 0,
+        "problem": None,
+        "first_error": None,
+    }, by_name["finished"]
+    assert "no stages/ folder" in by_name["empty"]["problem"]
+    rows = list(csv.DictReader((reports / "summary.csv").open()))
+    assert {(r["name"], r["stage"], r["passed"], r["total"]) for r in rows} >= {
+        ("finished", "1", "2", "3"),
+        ("broken", "2", "0", "1"),
+    }, rows
 
     for name in ("finished", "untouched", "broken", "empty"):
         assert (reports / f"{name}.xml").is_file(), f"no JUnit report for {name}"
@@ -188,7 +216,7 @@ def test_isolated_grading_scores_each_stage_on_the_reference_before_it(course, t
     reports = tmp_path / "reports"
 
     def stage_scores(*flags):
-        done = tool("grade.py", "--root", str(course), "--junit-dir", str(reports), *flags, str(half))
+        done = grade(course, reports, *flags, str(half))
         assert done.returncode == 0, done.stdout + done.stderr
         rows = [line.split() for line in done.stdout.splitlines()]
         return {row[0]: row[1] for row in rows if row[:1] in (["1"], ["2"])}
@@ -198,3 +226,24 @@ def test_isolated_grading_scores_each_stage_on_the_reference_before_it(course, t
     suites = ET.parse(reports / "half.xml").getroot().findall(".//testsuite")
     assert len(suites) == 2, "--isolated writes one report per checkout, with a test suite per stage"
     assert not list(reports.glob("half.stage*.xml")), "the per-stage parts are merged away"
+
+
+def test_a_stage_that_never_ends_or_a_missing_folder_costs_only_itself(course, tmp_path):
+    # stage 2's module loops at import time, where no test's own limit reaches; isolated scoring
+    # grades stage 1 anyway, and stage 2 is stopped at --stage-timeout with its test as an error
+    looping = tmp_path / "looping"
+    shutil.copytree(course / "solutions", looping / "stages")
+    (looping / "stages" / "s02_mul" / "__init__.py").write_text("while True:\n    pass\n")
+    reports = tmp_path / "reports"
+    started = time.monotonic()
+    done = grade(course, reports, "--isolated", "--stage-timeout", "10", str(looping), str(tmp_path / "nobody"))
+    took = time.monotonic() - started
+    assert done.returncode == 1 and took < 120, f"({took:.0f} s)\n{done.stdout}\n{done.stderr}"
+    rows = {
+        line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])
+    }
+    assert rows["1"][0] == "2/3" and rows["2"][:3] == ["0/1", "0", "1"], rows
+    assert "stage 2's run was stopped after 10 s" in done.stdout, done.stdout
+    assert "does not exist" in done.stdout, done.stdout
+    summary = {c["name"]: c for c in json.loads((reports / "summary.json").read_text())["checkouts"]}
+    assert "stopped after 10 s" in summary["looping"]["problem"] and "does not exist" in summary["nobody"]["problem"]

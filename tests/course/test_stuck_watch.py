@@ -4,13 +4,17 @@ where it is, and a test found where an earlier one got stuck is failed there, no
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from stuck_watch import INTERRUPT, StuckWatch
+from stuck_watch import INTERRUPT, StuckTest, StuckWatch
 
 LOOPS = """
 def spin(stop):
@@ -86,7 +90,7 @@ def test_a_test_where_an_earlier_one_got_stuck_fails_at_its_mark(course):
     assert where == "stages/loops_for_the_watch.py:3 in spin > :6 in step", where
 
     start = time.monotonic()
-    with pytest.raises(pytest.fail.Exception) as failed:
+    with pytest.raises(StuckTest) as failed:  # a BaseException: no `except Exception` in the test catches it
         with watch.running("tests/test_x.py::test_second"):
             spin_for(module, 10)
     took = time.monotonic() - start
@@ -107,3 +111,71 @@ def test_only_the_innermost_course_function_is_compared(course):
     assert len(said) == 1 and "[still running after 0.3 s] tests/test_x.py::test_second" in said[0], (
         f"spin is only the outer frame (step is the innermost): a notice, not a failure; got {said}"
     )
+
+
+@pytest.mark.skipif(INTERRUPT is None, reason="the watch stops a test with a signal (POSIX)")
+def test_a_test_that_catches_its_time_limit_is_stopped_for_good(course):
+    module, watch, _, _ = course
+    start = time.monotonic()
+    with pytest.raises(StuckTest) as stopped:
+        with watch.running("tests/test_x.py::test_property", limit_s=0.5):
+            while True:  # hypothesis' way with a failing example: run it again
+                try:
+                    module.spin(threading.Event())  # never returns
+                except Exception:
+                    continue
+    took = time.monotonic() - start
+    assert stopped.value.limit_s == 0.5 and 0.7 < took < 5, (
+        f"a test still running one mark (0.3 s) past its 0.5 s limit is stopped with StuckTest; took {took:.1f} s"
+    )
+
+
+WATCHED = """
+import pytest, pytest_timeout
+from stuck_watch import StuckWatch
+
+def pytest_configure(config):
+    config.stuck_watch = StuckWatch([], config.rootpath, after_s=1.0, say=None)
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    limit = pytest_timeout.get_env_settings(item.config).timeout
+    with item.config.stuck_watch.running(item.nodeid, limit_s=limit):
+        return (yield)
+"""
+
+PROPERTY = """
+from hypothesis import given, settings, strategies as st
+
+@settings(max_examples=5, deadline=None, database=None)
+@given(st.integers())
+def test_loops(n):
+    while True:
+        pass
+
+def test_after():
+    assert True
+"""
+
+
+@pytest.mark.skipif(INTERRUPT is None, reason="the watch stops a test with a signal (POSIX)")
+def test_a_property_test_stuck_in_a_loop_fails_once_instead_of_shrinking_forever(tmp_path):
+    # pytest-timeout fails the example; hypothesis catches that and runs it again to shrink it,
+    # which without the watch's backstop never ends (no second timer)
+    (tmp_path / "conftest.py").write_text(WATCHED)
+    (tmp_path / "test_property.py").write_text(PROPERTY)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTEST_TIMEOUT": "2"}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbval", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - start
+    assert "1 failed, 1 passed" in done.stdout and took < 60, (
+        f"the looping property test should fail once and the run go on ({took:.0f} s):\n{done.stdout[-2000:]}"
+    )
+    assert "StuckTest" in done.stdout, done.stdout[-2000:]
