@@ -1119,6 +1119,13 @@ MUTANTS: list[Mutant] = [
         r"eager|can_run|bucket",
     ),
     Mutant(
+        "s08-one-warmup",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "NUM_WARMUP_RUNS eager runs on a side stream precede a capture: no lazy setup happens while recording",
+        edit("                for _ in range(NUM_WARMUP_RUNS):", "                for _ in range(1):"),
+        r"run the model \d+ times|warm-up",
+    ),
+    Mutant(
         "s08-gqa-repeat-not-interleave",
         "s08_cuda_graph/decode_attention.py",
         "with grouped-query attention, query head h reads KV head h // (query heads per KV head), not h % num_kv_heads",

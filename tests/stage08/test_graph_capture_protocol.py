@@ -38,6 +38,13 @@ class FakeStream:
         self.waited_for.append(other.name)
 
 
+class PoolHandle:
+    """What graph_pool_handle() returns: an opaque handle (named in messages)."""
+
+    def __repr__(self) -> str:
+        return "<graph_pool>"
+
+
 class FakeCUDA:
     """torch.cuda's stream and graph API as the capture uses it, recording what happens."""
 
@@ -45,7 +52,7 @@ class FakeCUDA:
         self.default = FakeStream("default")
         self.current = self.default
         self.capturing: "FakeGraph | None" = None
-        self.pool = object()  # what graph_pool_handle() returns: an opaque handle
+        self.pool = PoolHandle()
         self.events: list[tuple] = []  # ("model", stream name, capturing?) and ("capture", pool)
         self.side_streams: list[FakeStream] = []
 
@@ -141,12 +148,8 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
     assert set(runner.output_buffers) == set(runner.graphs), (
         "keep each graph's output logits in output_buffers, under its bucket"
     )
-    per_bucket = [
-        cuda.events[i : i + cgr.NUM_WARMUP_RUNS + 2] for i in range(0, len(cuda.events), cgr.NUM_WARMUP_RUNS + 2)
-    ]
-    assert len(per_bucket) == len(expected), (
-        f"{len(cuda.events)} events for {len(expected)} buckets: {cuda.events[:8]}..."
-    )
+    each = cgr.NUM_WARMUP_RUNS + 2  # the warm-up runs, the capture, the pass it records
+    per_bucket = [cuda.events[i : i + each] for i in range(0, len(cuda.events), each)]
     for bucket, events in zip(expected, per_bucket):
         warmups, capture, recorded = events[: cgr.NUM_WARMUP_RUNS], events[-2], events[-1]
         assert warmups == [("model", "side", False)] * cgr.NUM_WARMUP_RUNS, (
@@ -159,6 +162,10 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
         assert recorded[0] == "model" and recorded[2], (
             f"bucket {bucket}: the capture must record one model pass; saw {events}"
         )
+    assert len(cuda.events) == each * len(expected), (
+        f"each bucket's capture is {each} events ({cgr.NUM_WARMUP_RUNS} warm-up runs on the side stream, the capture, "
+        f"the pass it records): {len(expected)} buckets should give {each * len(expected)}, got {len(cuda.events)}"
+    )
 
     cuda.events.clear()
     sizes = [5, 5, 4, 3, 3, 1]  # buckets 8, 8, 4, 4, 4, 1
