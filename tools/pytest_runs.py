@@ -107,15 +107,15 @@ def stop(child: subprocess.Popen) -> str:
     report), kill it and everything it started if it is still there STOP_GRACE_S later; its output."""
     if not hasattr(os, "killpg"):  # Windows: no process groups
         child.kill()
-        return child.communicate()[0]
-    os.killpg(child.pid, signal.SIGINT)
-    try:
-        output = child.communicate(timeout=STOP_GRACE_S)[0]
-    except subprocess.TimeoutExpired:
-        output = ""
-    with contextlib.suppress(ProcessLookupError):  # whatever it started may still run: a server, a rank
-        os.killpg(child.pid, signal.SIGKILL)
-    return output + (child.communicate()[0] or "")
+    else:
+        os.killpg(child.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.communicate(timeout=STOP_GRACE_S)
+        with contextlib.suppress(ProcessLookupError):  # whatever it started may still run: a server, a rank
+            os.killpg(child.pid, signal.SIGKILL)
+    # All of its output, whichever way the wait above ended: communicate() keeps what it read
+    # before a timeout, and once the process is done it returns the same output again.
+    return child.communicate()[0]
 
 
 def collect(paths: list[str], env: dict[str, str], root: Path = REPO) -> list[str]:
