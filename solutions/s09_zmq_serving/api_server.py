@@ -354,16 +354,13 @@ class OpenAIServing:
         def make_chunk(text, finish_reason, usage_):
             choice, logprobs = current["rid"], None
             index = rids.index(choice)
+            delta = None if text is None else ({"content": text} if text else {})
             if kind == "chat" and parsers is not None and text is not None:
                 delta, finish_reason = stream_delta(parsers[choice], text, finish_reason)
                 held["now"] = not delta and finish_reason is None
-                if asked and not held["now"]:
-                    logprobs, unsent[choice] = unsent[choice], []
-                return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
-            if asked and text is not None:
+            if asked and text is not None and not held["now"]:
                 logprobs, unsent[choice] = unsent[choice], []
             if kind == "chat":
-                delta = None if text is None else ({"content": text} if text else {})
                 return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
             return completion_chunk(rid, model, created, text, finish_reason, usage_, logprobs, index)
 

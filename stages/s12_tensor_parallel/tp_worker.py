@@ -104,27 +104,19 @@ def check_rebuilt(message: BatchMessage, batch: ForwardBatch) -> None:
     mode, the same prompt rows scored. A batch that differs would still run (the collectives
     only see tensors, and gloo gathers tensors of any size), giving rank 0 logits or sums that
     are silently wrong; here the follower stops instead, naming the field."""
-    rebuilt = {
-        "len(input_ids)": len(batch.input_ids),
-        "len(positions)": len(batch.positions),
-        "extend_lens": list(batch.extend_lens),
-        "seq_lens": list(batch.seq_lens),
-        "forward_mode": batch.forward_mode,
-        "extra_logit_rows": list(batch.extra_logit_rows),
+    pairs = {  # field -> (what this follower rebuilt, what rank 0 sent)
+        "len(input_ids)": (len(batch.input_ids), len(message.input_ids)),
+        "len(positions)": (len(batch.positions), len(message.positions)),
+        "extend_lens": (list(batch.extend_lens), message.extend_lens),
+        "seq_lens": (list(batch.seq_lens), message.seq_lens),
+        "forward_mode": (batch.forward_mode, message.forward_mode),
+        "extra_logit_rows": (list(batch.extra_logit_rows), message.extra_logit_rows),
     }
-    sent = {
-        "len(input_ids)": len(message.input_ids),
-        "len(positions)": len(message.positions),
-        "extend_lens": message.extend_lens,
-        "seq_lens": message.seq_lens,
-        "forward_mode": message.forward_mode,
-        "extra_logit_rows": message.extra_logit_rows,
-    }
-    for field, value in rebuilt.items():
-        if value != sent[field]:
+    for field, (rebuilt, sent) in pairs.items():
+        if rebuilt != sent:
             raise ValueError(
-                f"to_forward_batch rebuilt rank 0's batch with {field} {value!r:.200}, rank 0 sent "
-                f"{sent[field]!r:.200}: a follower's batch must be the one rank 0 broadcast, field for field"
+                f"to_forward_batch rebuilt rank 0's batch with {field} {rebuilt!r:.200}, rank 0 sent "
+                f"{sent!r:.200}: a follower's batch must be the one rank 0 broadcast, field for field"
             )
 
 
