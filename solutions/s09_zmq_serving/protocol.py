@@ -638,46 +638,31 @@ def whole_answer(kind: str, rid: str, model: str, choices: list[Choice], counts:
     }
 
 
-def chat_chunk(
+def stream_chunk(
+    kind: str,
     rid: str,
     model: str,
     created: int,
-    delta: dict | None,
+    content: dict | str | None,
     finish_reason: str | None = None,
     usage_: dict | None = None,
     logprobs: list[LogprobEntry] | None = None,
     index: int = 0,
 ) -> dict:
-    """One SSE chunk of a streamed chat; ``delta=None`` makes the usage-only chunk (no choices);
-    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask); ``index``:
-    the choice it belongs to."""
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    shown = logprobs_field("chat", logprobs)
+    """One SSE chunk of a streamed answer of ``kind``, "chat" or "completion". ``content``: what
+    the chunk adds to its choice, a chat's delta (a dict) or a completion's text; None makes the
+    usage-only chunk (no choices). ``logprobs``: the entries of this chunk's tokens (None: the
+    request did not ask); ``index``: the choice it belongs to."""
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+    }
+    shown = logprobs_field(kind, logprobs)
+    field = "delta" if kind == "chat" else "text"
     chunk["choices"] = (
-        [] if delta is None else [{"index": index, "delta": delta, "logprobs": shown, "finish_reason": finish_reason}]
-    )
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def completion_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    text: str | None,
-    finish_reason: str | None = None,
-    usage_: dict | None = None,
-    logprobs: list[LogprobEntry] | None = None,
-    index: int = 0,
-) -> dict:
-    """One SSE chunk of a streamed completion; ``text=None`` makes the usage-only chunk;
-    ``logprobs``: the entries of this chunk's tokens (None: the request did not ask); ``index``:
-    the choice it belongs to."""
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    shown = logprobs_field("completion", logprobs)
-    chunk["choices"] = (
-        [] if text is None else [{"index": index, "text": text, "logprobs": shown, "finish_reason": finish_reason}]
+        [] if content is None else [{"index": index, field: content, "logprobs": shown, "finish_reason": finish_reason}]
     )
     if usage_ is not None:
         chunk["usage"] = usage_

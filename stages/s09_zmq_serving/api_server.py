@@ -47,14 +47,13 @@ from .protocol import (  # noqa: F401
     CompletionRequest,
     InvalidRequest,
     Limits,
-    chat_chunk,
     chat_messages,
     check_limits,
     check_supported,
-    completion_chunk,
     completion_prompts,
     error_body,
     new_id,
+    stream_chunk,
     to_sampling_params,
     usage,
     whole_answer,
@@ -352,14 +351,14 @@ class OpenAIServing:
                 held["now"] = not delta and finish_reason is None
             if asked and text is not None and not held["now"]:
                 logprobs, unsent[choice] = unsent[choice], []
-            if kind == "chat":
-                return chat_chunk(rid, model, created, delta, finish_reason, usage_, logprobs, index)
-            return completion_chunk(rid, model, created, text, finish_reason, usage_, logprobs, index)
+            content = delta if kind == "chat" else text
+            return stream_chunk(kind, rid, model, created, content, finish_reason, usage_, logprobs, index)
 
         try:
             if kind == "chat":  # OpenAI's first chunk of each choice names the role
+                role = {"role": "assistant", "content": ""}
                 for index in range(len(rids)):
-                    yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=index))
+                    yield sse(stream_chunk(kind, rid, model, created, role, index=index))
             async for line in stream_chunks(noting(outputs), make_chunk, plan.include_usage):
                 if held["now"]:
                     held["now"] = False
