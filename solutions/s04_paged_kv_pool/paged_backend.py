@@ -24,7 +24,8 @@ follows the table, which is what lets any slot hold any token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -36,20 +37,28 @@ from .memory_pool import ReqToTokenPool, TokenToKVPool
 
 @dataclass
 class ForwardMetadata:
-    batch: ForwardBatch  # the batch these indices were computed for
+    batch: InitVar[ForwardBatch]  # the batch these indices were computed for (``is_for``)
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32
     kv_indptr: torch.Tensor  # [num_reqs + 1] int32
     kv_indices: torch.Tensor  # [sum(seq_lens)] int64 pool slots
+    # A weak reference: the backend keeps its metadata and the batch points at the backend, so a
+    # strong one would be a cycle, and a dropped engine's KV pool (GiBs) would stay in memory until
+    # Python's cycle collector happened to run.
+    batch_ref: weakref.ref = field(init=False, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self, batch: ForwardBatch):
+        self.batch_ref = weakref.ref(batch)
         # Wrong running offsets or indices would make attention read another request's K/V: say so here.
-        check_indptr("qo_indptr", self.qo_indptr, self.batch.extend_lens, "extend_lens")
-        check_indptr("kv_indptr", self.kv_indptr, self.batch.seq_lens, "seq_lens")
-        if len(self.kv_indices) != sum(self.batch.seq_lens):
+        check_indptr("qo_indptr", self.qo_indptr, batch.extend_lens, "extend_lens")
+        check_indptr("kv_indptr", self.kv_indptr, batch.seq_lens, "seq_lens")
+        if len(self.kv_indices) != sum(batch.seq_lens):
             raise ValueError(
-                f"kv_indices must hold sum(seq_lens) = {sum(self.batch.seq_lens)} slots, each request's table row "
-                f"up to its seq_len (seq_lens = {self.batch.seq_lens}); got {len(self.kv_indices)}"
+                f"kv_indices must hold sum(seq_lens) = {sum(batch.seq_lens)} slots, each request's table row "
+                f"up to its seq_len (seq_lens = {batch.seq_lens}); got {len(self.kv_indices)}"
             )
+
+    def is_for(self, batch: ForwardBatch) -> bool:
+        return self.batch_ref() is batch
 
 
 def check_indptr(name: str, indptr: torch.Tensor, lens: list[int], lens_name: str) -> None:
@@ -92,7 +101,7 @@ class PagedAttentionBackend(AttentionBackend):
         # END EXERCISE
 
     def metadata_for(self, batch: ForwardBatch) -> ForwardMetadata:
-        if self.forward_metadata is None or self.forward_metadata.batch is not batch:
+        if self.forward_metadata is None or not self.forward_metadata.is_for(batch):
             raise RuntimeError(
                 "the paged backend has no metadata for this batch: call attn_backend.init_forward_metadata(batch) "
                 "before model(batch) (ModelRunner.forward does it)"

@@ -45,6 +45,7 @@ in a slow hour of the host; 1.6-4.3x over its chunks and prefixes).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -193,8 +194,12 @@ class DecodeAttentionBackend(PagedAttentionBackend):
         self.extend_batch = None
         if mode is ForwardMode.MIXED:
             t = d  # the decode rows' tokens come first, one each
+            # The extend rows as a batch of their own, kept here for the pass's layers. It names this
+            # backend through a weak proxy: a batch kept by the backend it points at would be a cycle,
+            # and a dropped engine's KV pool would wait for Python's cycle collector.
             self.extend_batch = replace(
                 batch,
+                attn_backend=weakref.proxy(self),
                 input_ids=batch.input_ids[t:],
                 positions=batch.positions[t:],
                 extend_lens=batch.extend_lens[d:],
