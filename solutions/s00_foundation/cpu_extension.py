@@ -80,7 +80,10 @@ def build_folder(name: str, files: list[Path]) -> Path:
     whole and then renamed, so that processes building at once never see half a file)."""
     import torch
 
-    digest = hashlib.sha256(f"{sys.version_info[:2]} {torch.__version__}".encode())
+    # Keyed by the torch installation too, not only its version: the build file cpp_extension
+    # writes names torch's include folder, so two checkouts (each its own venv) sharing one folder
+    # would rewrite it in turn, and each would rebuild while the other waited on the lock.
+    digest = hashlib.sha256(f"{sys.version_info[:2]} {torch.__version__} {Path(torch.__file__).parent}".encode())
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")

@@ -74,3 +74,18 @@ def test_a_process_that_waits_for_a_live_build_says_so_and_goes_on_when_it_ends(
         assert not (tmp_path / "lock").exists()
     assert holder.wait(timeout=30) == 0
     assert f"[engine_k] waiting for another process building or loading it in {tmp_path}" in capsys.readouterr().err
+
+
+def test_two_torch_installations_build_in_folders_of_their_own(tmp_path, monkeypatch):
+    """cpp_extension's build file names torch's include folder: two checkouts, each with its own
+    venv, that shared a folder rewrote that file in turn and rebuilt while the other waited (a
+    reader's notebooks waited a minute on another checkout's build)."""
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    source = tmp_path / "answer.cpp"
+    source.write_text('extern "C" int engine_answer() { return 42; }\n')
+    here = cpu_extension.build_folder("engine_answer", [source])
+    assert cpu_extension.build_folder("engine_answer", [source]) == here  # the same installation: the same folder
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert cpu_extension.build_folder("engine_answer", [source]) != here
