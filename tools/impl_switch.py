@@ -190,6 +190,18 @@ def stage_package(stage: str, switch: Switch) -> str:
     return found[0]
 
 
+def earlier_stage_hint(package: str, message: str) -> str:
+    """For an exercise of an earlier stage than the milestone's: how to run it without that stage."""
+    found = re.match(r"Stage (\d+)", message)
+    stage = int(package[1:3])
+    if found is None or int(found.group(1)) >= stage:
+        return ""
+    return (
+        f"\n   (stage {found.group(1)} comes before stage {stage}: finish it, or run stage {stage} on the reference "
+        f"stages 1-{stage - 1}: make run-{stage} REFERENCE_UPTO={stage - 1})"
+    )
+
+
 def main(argv: list[str]) -> int:
     usage = "usage: impl_switch.py run STAGE|PACKAGE [ARGS...]  |  impl_switch.py describe"
     try:
@@ -212,7 +224,7 @@ def main(argv: list[str]) -> int:
     except NotImplementedError as err:
         if not str(err).startswith("Stage "):
             raise
-        print(f"not written yet -> {err}", file=sys.stderr)  # a skeleton exercise, not a crash
+        print(f"not written yet -> {err}{earlier_stage_hint(package, str(err))}", file=sys.stderr)  # not a crash
         return 1
     return 0
 

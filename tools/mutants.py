@@ -561,6 +561,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"kv_indices|seq_len",
     ),
+    Mutant(
+        "s04-kv-indices-in-row-order",
+        "s04_paged_kv_pool/paged_backend.py",
+        "kv_indices follow the batch's order: request i's slots come from ITS row, wherever that row is",
+        edit(
+            "kv_indices = torch.cat([table[row, :seq_len] for row, seq_len in zip(rows, batch.seq_lens)])",
+            "kv_indices = torch.cat([table[row, :seq_len] for row, seq_len in zip(sorted(rows), batch.seq_lens)])",
+        ),
+        r"its own table row",
+    ),
     # --- stage 5: continuous batching ---------------------------------------------------------
     Mutant(
         "s05-admit-no-future",
@@ -705,6 +715,54 @@ MUTANTS: list[Mutant] = [
         "each admitted prompt spends its tokens from the step's prefill budget",
         edit("            budget -= extend_len\n", ""),
         r"budget|max_prefill_tokens",
+    ),
+    Mutant(
+        "s05-retracted-newest-first-in-line",
+        "s05_continuous_batching/scheduler.py",
+        "requests retracted in one step wait at the front of the queue oldest first (they keep their order)",
+        (
+            ("            self.waiting.appendleft(req)\n", ""),
+            (
+                "            retracted.append(req)\n        return retracted\n",
+                "            retracted.append(req)\n        self.waiting.extendleft(reversed(retracted))\n"
+                "        return retracted\n",
+            ),
+        ),
+        r"oldest first",
+    ),
+    Mutant(
+        "s05-admission-returns-the-scheduled",
+        "s05_continuous_batching/scheduler.py",
+        "admission returns only the requests it started, not those already in the pass (stage 7's next chunk)",
+        edit("        return admitted[len(scheduled) :]\n", "        return admitted\n"),
+        r"returns only those",
+    ),
+    Mutant(
+        "s05-first-alone-needs-its-future",
+        "s05_continuous_batching/scheduler.py",
+        "with nothing running, the first in line is admitted whenever its prefill fits, whatever its future needs",
+        edit(
+            "            if need > room and not (first_alone and prefill_slots <= room):\n",
+            "            if need > room:\n",
+        ),
+        r"whatever its later tokens",
+    ),
+    Mutant(
+        "s05-every-leaver-inserted",
+        "s05_continuous_batching/scheduler.py",
+        "a leaving request's K/V are offered for keeping only when its reason is in keep_kv_of",
+        edit("        insert = why in self.keep_kv_of\n", "        insert = True\n"),
+        r"keep_kv_of",
+    ),
+    Mutant(
+        "s05-whole-fill-ids-handed-back",
+        "s05_continuous_batching/scheduler.py",
+        "a leaving request hands back one token id per slot: the tokens it has K/V for, fill_ids[:cached_len]",
+        edit(
+            "self.prefix_cache.cache_finished_req(req.fill_ids[: req.cached_len], slots, req.prefix_match, insert)",
+            "self.prefix_cache.cache_finished_req(req.fill_ids, slots, req.prefix_match, insert)",
+        ),
+        r"token ids for .* slots",
     ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(

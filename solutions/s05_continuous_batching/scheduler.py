@@ -252,8 +252,9 @@ class Scheduler:
         If nothing runs, the first in line is admitted whenever its prefill fits, whatever its
         future needs. The first request that does not fit stops admission: no one overtakes
         it, so no one starves. ``scheduled``: requests that already prefill in this pass (stage
-        7's half-prefilled request); they count as admitted first. Returns the newly admitted
-        requests (each started with start_req, its device_len set to the end of its pass), in order."""
+        7's half-prefilled request); they count as admitted first, but are not returned. Returns the
+        newly admitted requests only (each started with start_req, its device_len set to the end of
+        its pass), in order."""
         admitted: list[Req] = list(scheduled)
         reserved = self.reserved_slots([*self.running, *scheduled])
         budget = self.max_prefill_tokens if budget is None else budget
@@ -364,8 +365,10 @@ class Scheduler:
         why = (
             "nothing running will free more"
             if need > free
-            else "so it fits, yet admission admitted no one: admit_new_requests returns every request it started "
-            "(stage 7: the half-prefilled request's next chunk first)"
+            else "so it fits, yet admission admitted no one. With nothing running, the first in line is admitted "
+            "whenever its prefill fits: even when it is longer than the step's prefill budget (it is then the step's "
+            "only prefill), whatever its later tokens will need. And admit_new_requests returns the requests it "
+            "started (stage 7: the half-prefilled request's next chunk first)"
         )
         return RuntimeError(
             f"nothing can run: request {head.rid} is first in line and its prefill needs {need} KV slots, {free} of "

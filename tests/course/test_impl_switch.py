@@ -200,3 +200,19 @@ def test_launcher_explains_an_unknown_stage(trees):
         command, env=clean_env(trees, ENGINE_IMPL="stages"), capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "no package for stage 42" in done.stderr, done.stderr
+
+
+def test_a_milestone_stopped_by_an_earlier_stages_exercise_says_how_to_run_it_on_the_reference(trees):
+    """A learner who graded stage 98 with REFERENCE_UPTO=97 and then ran its milestone without it
+    was told only that stage 97 was not written."""
+    (trees / "stages" / "s97_alpha" / "__init__.py").write_text(
+        "TREE = 'stages'\n\n\ndef unwritten():\n    raise NotImplementedError('Stage 97: write alpha')\n"
+    )
+    (trees / "stages" / "s98_fake" / "__main__.py").write_text("import s97_alpha\ns97_alpha.unwritten()\n")
+    command = [sys.executable, str(TOOLS / "impl_switch.py"), "run", "98"]
+    done = subprocess.run(
+        command, env=clean_env(trees, ENGINE_IMPL="stages"), cwd=trees, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    assert "not written yet -> Stage 97: write alpha" in done.stderr, done.stderr
+    assert "make run-98 REFERENCE_UPTO=97" in done.stderr, done.stderr

@@ -39,7 +39,9 @@ def test_one_batch_mixing_prefill_extend_and_decode(tiny_model_dir, page_size):
     model = engine_model(str(tiny_model_dir))
     engine = StaticBatchEngine(model, pool_size=128, page_size=page_size, max_running_requests=4)
     a, b, c = req(0, A), req(1, B), req(2, C)
-    engine.add_requests([a, b, c])
+    # Added in reverse, they take table rows 2, 1, 0: a batch's rows need not rise in its order
+    # (from stage 5 on, a leaving request's row goes to whoever comes next).
+    engine.add_requests([c, b, a])
     # Pass 1: the first 13 tokens of A (a chunk of its prompt) and all of B.
     a.device_len = 13
     engine.running = [a, b]
@@ -76,7 +78,9 @@ def test_one_batch_mixing_prefill_extend_and_decode(tiny_model_dir, page_size):
             atol=2e-4,
             rtol=1e-4,
             msg=lambda m, what=what: (
-                f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}"
+                f"{tiny_model_dir.name}, page size {page_size}, request {what}: logits differ from transformers: {m}. "
+                "Attention reads each request's K/V through kv_indices, from its own table row (this batch's rows, "
+                f"in its order: {batch.req_pool_indices.tolist()})"
             ),
         )
     owners = [table[r.req_pool_idx, : r.cached_len] for r in (a, b, c)]

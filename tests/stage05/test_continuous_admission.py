@@ -162,6 +162,24 @@ def admit_only_the_first(scheduler, reqs, why: str) -> None:
     assert waiting == [req.rid for req in reqs[1:]], f"the others should still wait in order, the queue is {waiting}"
 
 
+def test_admission_after_requests_already_in_the_pass_returns_only_those_it_started(tiny_models_root):
+    # Stage 7 calls admission with its half-prefilled request already in the pass (``scheduled``):
+    # that request takes one of the step's rows, and the caller puts it in the batch itself.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=512, max_running_requests=3, max_context_len=128)
+    scheduler = Scheduler(runner)
+    scheduler.add_request(Req(0, list(b"already in this pass"), greedy(2)))
+    [scheduled] = scheduler.admit_new_requests()
+    for rid in (1, 2, 3):
+        scheduler.add_request(Req(rid, list(b"waiting %d" % rid), greedy(2)))
+    admitted = [req.rid for req in scheduler.admit_new_requests(scheduled=[scheduled])]
+    assert admitted == [1, 2], (
+        "with request 0 already in this pass (scheduled=[request 0]) and max_running_requests=3, admission starts "
+        "requests 1 and 2 (request 0 takes the third row) and returns only those: the caller already has the "
+        f"scheduled ones, and would run them twice; it returned {admitted}"
+    )
+
+
 class OnePrefixCache:
     """A stand-in prefix cache holding the K/V of one prefix, in slots it owns and no request
     uses: room admission may count (evictable) - except for a request that reads those very

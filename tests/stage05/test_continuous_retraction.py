@@ -11,6 +11,7 @@ from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_gre
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
 from s03_kv_cache.generate import cached_generate
+from s05_continuous_batching.prefix_cache import NoPrefixCache
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -43,18 +44,23 @@ def test_retraction_under_a_small_pool_keeps_tokens_identical(tiny_models_root, 
     assert_pool_free(engine, f"page size {page_size}")
 
 
-def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root):
+# In pages of 4 this workload retracts two requests in one step: their order in the queue counts.
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root, page_size):
     path = tiny_models_root / "llama3"
     prompts, limits = retraction_workload()
-    engine, recorder, traces = tiny_engine(path, pool_size=128, max_running_requests=8, new_token_ratio=0.0)
+    engine, recorder, traces = tiny_engine(
+        path, pool_size=128, page_size=page_size, max_running_requests=8, new_token_ratio=0.0
+    )
     reqs = {req.rid: req for req in (engine.add_request(p, greedy(n)) for p, n in zip(prompts, limits))}
-    seen_retraction, seen_readmission = False, False
+    seen_retraction, seen_readmission, most_at_once = False, False, 0
     generated_when_retracted, admitted_at = {}, {}
     with torch.inference_mode():
         while engine.has_work:
             running_before = [r.rid for r in engine.scheduler.running]
             engine.step()
             trace = traces[-1]
+            most_at_once = max(most_at_once, len(trace.retracted_rids))
             if trace.retracted_rids:
                 newest_first = sorted(running_before, key=admitted_at.__getitem__, reverse=True)
                 assert trace.retracted_rids == newest_first[: len(trace.retracted_rids)], (
@@ -95,10 +101,48 @@ def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root
                 assert rid not in running_order, f"step {trace.step}: retracted request {rid} is still running"
             engine.scheduler.check_invariants()
     assert seen_retraction and seen_readmission, "the workload should retract a request and later readmit it"
+    if page_size == 4:
+        assert most_at_once >= 2, f"in pages of 4 this workload should retract two requests in one step: {most_at_once}"
     for rid, req in reqs.items():
         assert_same_tokens(
             req.output_ids, hf_greedy(path, prompts[rid], limits[rid]), f"request {rid}, vs transformers"
         )
+
+
+class HandBackChecks(NoPrefixCache):
+    """Stage 5's prefix cache, checking what each leaving request hands back: one token id per
+    slot (the positions it has K/V for), and ``insert`` as the scheduler's policy says."""
+
+    def __init__(self, allocator):
+        super().__init__(allocator)
+        self.inserts: list[bool] = []
+
+    def cache_finished_req(self, token_ids, slots, match, insert):
+        assert len(token_ids) == len(slots), (
+            f"release_req handed the prefix cache {len(token_ids)} token ids for {len(slots)} slots: slots[i] holds "
+            "the K/V of token_ids[i], so pass the tokens the request has K/V for, fill_ids[: cached_len]"
+        )
+        self.inserts.append(insert)
+        super().cache_finished_req(token_ids, slots, match, insert)
+
+
+def test_a_leaving_request_hands_back_its_kv_as_the_policy_says(tiny_models_root):
+    path = tiny_models_root / "llama3"
+    prompts, limits = retraction_workload()
+    engine, _, _ = tiny_engine(path, pool_size=128, max_running_requests=8, new_token_ratio=0.0)
+    cache = engine.scheduler.prefix_cache = HandBackChecks(engine.runner.allocator)
+    for p, n in zip(prompts, limits):
+        engine.add_request(p, greedy(n))
+    run_to_end(engine)
+    retracted = engine.scheduler.stats.num_retractions
+    assert retracted > 0, "this workload should force retractions (none happened)"
+    expected = [False] * retracted + [True] * len(prompts)
+    assert sorted(cache.inserts) == expected, (
+        f"{len(prompts)} requests finished and {retracted} were retracted; each leaving request offers its K/V "
+        f"with insert = (why in keep_kv_of), and stage 5 keeps only a finished one's (keep_kv_of = "
+        f"{set(engine.scheduler.keep_kv_of)}): expected {len(prompts)} x True and {retracted} x False, got "
+        f"{cache.inserts.count(True)} x True and {cache.inserts.count(False)} x False"
+    )
 
 
 def test_retracted_sampled_requests_continue_their_own_random_stream(tiny_models_root):
@@ -155,7 +199,9 @@ def test_a_pool_that_cannot_serve_even_one_request_raises_instead_of_hanging(tin
         f"a RuntimeError that talks about KV slots; got {error!r}"
     )
     assert len(first.output_ids) >= 5, (
-        f"request 0 should have run until the 20 free slots ran out, it has {len(first.output_ids)} tokens"
+        f"request {first.rid} (10 prompt tokens, up to 30 new) should have run until the 20 free slots ran out; it "
+        f"has {len(first.output_ids)} tokens. With nothing running, admission must admit the first in line whenever "
+        "its prefill fits the free slots, whatever its later tokens will need (they may never fit)"
     )
 
     engine, _, _ = tiny_engine(path, pool_size=64, max_running_requests=4)
