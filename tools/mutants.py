@@ -571,6 +571,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"its own table row",
     ),
+    Mutant(
+        "s04-release-keeps-the-row-name",
+        "s04_paged_kv_pool/engine.py",
+        "a released request no longer names the table row it gave back (req_pool_idx = None)",
+        edit(
+            "        self.runner.req_to_token_pool.free(row)\n        req.req_pool_idx = None\n",
+            "        self.runner.req_to_token_pool.free(row)\n",
+        ),
+        r"req_pool_idx",
+    ),
     # --- stage 5: continuous batching ---------------------------------------------------------
     Mutant(
         "s05-admit-no-future",

@@ -100,6 +100,10 @@ def test_requests_finish_at_different_steps_and_free_their_slots(tiny_models_roo
             step += 1
             for r in finished:
                 assert r not in engine.running, f"step {step}: request {r.rid} finished but is still running"
+                assert r.req_pool_idx is None, (
+                    f"step {step}: request {r.rid} finished and gave its table row back, yet still names row "
+                    f"{r.req_pool_idx} (req_pool_idx): the next request to take that row would share it"
+                )
             held = [table[r.req_pool_idx, : r.cached_len] for r in engine.running]
             engine.runner.allocator.check_invariants(held)  # finished requests own nothing any more
             pages = sum(-(-r.cached_len // 4) for r in engine.running)
