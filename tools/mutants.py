@@ -774,6 +774,15 @@ MUTANTS: list[Mutant] = [
         ),
         r"token ids for .* slots",
     ),
+    Mutant(
+        "s05-budget-off-by-one",
+        "s05_continuous_batching/scheduler.py",
+        "a prompt that exactly fills what is left of the prefill budget is admitted",
+        edit(
+            "            if admitted and extend_len > budget:\n", "            if admitted and extend_len >= budget:\n"
+        ),
+        r"fill the budget exactly",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(
         "s06-evict-a-parent-with-children",

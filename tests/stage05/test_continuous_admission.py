@@ -81,6 +81,17 @@ def test_a_prompt_longer_than_the_prefill_budget_is_the_only_prefill_of_its_step
     assert_pool_free(engine, "long prompt")
 
 
+def test_prompts_that_exactly_fill_the_prefill_budget_are_admitted_together(tiny_models_root):
+    path = tiny_models_root / "llama"
+    engine, _, traces = tiny_engine(path, pool_size=512, max_running_requests=4, max_prefill_tokens=10)
+    engine.generate([list(b"four"), list(b"six ok"), list(b"x")], [greedy(2), greedy(2), greedy(2)])
+    assert traces[0].prefill_rids == [0, 1], (
+        "max_prefill_tokens=10 and prompts of 4 and 6 tokens: together they fill the budget exactly, so both are "
+        f"admitted in the first step (a prompt is refused only when it needs more than what is left); the first step "
+        f"admitted {traces[0].prefill_rids}"
+    )
+
+
 def test_outputs_come_back_in_input_order_with_stats(tiny_models_root):
     path = tiny_models_root / "llama3"
     prompts, _ = workload(6, seed=4, max_prompt=20)
