@@ -438,6 +438,36 @@ MUTANTS: list[Mutant] = [
         ),
         r"cached|prefix_lens|seq_len",
     ),
+    Mutant(
+        "s03-decode-recomputes-the-sequence",
+        "s03_kv_cache/generate.py",
+        "a decode step runs only the newest token against the cache, never the whole sequence again",
+        (
+            (
+                "    logits = extend(model, [cache], [list(input_ids)])[0]\n    for step",
+                "    logits = extend(model, [cache], [list(input_ids)])[0]\n    seen = list(input_ids)\n    for step",
+            ),
+            (
+                "        logits = extend(model, [cache], [[next_id]])[0]\n",
+                "        seen.append(next_id)\n        cache.seq_len = 0\n"
+                "        logits = extend(model, [cache], [seen])[0]\n",
+            ),
+        ),
+        r"naive cost",
+    ),
+    Mutant(
+        "s03-step-recomputes-the-sequence",
+        "s03_kv_cache/engine.py",
+        "each request sends only what its cache lacks, fill_ids[cached_len:device_len]",
+        (
+            (
+                "    logits = extend(model, caches, [req.fill_ids[req.cached_len : req.device_len] for req in reqs])",
+                "    for cache in caches:\n        cache.seq_len = 0\n"
+                "    logits = extend(model, caches, [req.fill_ids[: req.device_len] for req in reqs])",
+            ),
+        ),
+        r"naive cost",
+    ),
     # --- stage 4: the paged KV pool -----------------------------------------------------------
     Mutant(
         "s04-offset-from-the-chunk-start",

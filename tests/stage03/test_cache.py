@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recording import PassRecorder
 from reference import assert_same_tokens, engine_model, hf_greedy, hf_last_logits
 from s03_kv_cache.generate import extend, stream_generate
 from s03_kv_cache.kv_cache import KVCache
@@ -38,6 +39,29 @@ def test_cache_holds_prompt_plus_generated_minus_one_after_each_step(tiny_models
     assert cache.seq_len == expected, (
         f"when generation ends the cache should hold {expected} positions (no decode pass for the last "
         f"token: its K/V would never be read), it holds {cache.seq_len}"
+    )
+
+
+def test_each_decode_pass_sends_only_the_newest_token(tiny_models_root):
+    """The point of the cache: after the prefill, a pass computes one token against everything
+    cached, never the sequence again (right tokens and a right seq_len do not show that)."""
+    path = tiny_models_root / "llama"
+    model = PassRecorder(engine_model(str(path)))
+    n = 8
+    cache = KVCache.for_model(model.model, capacity=len(PROMPT) + n - 1)
+    generated = list(stream_generate(model, PROMPT, n, cache=cache))
+    assert_same_tokens(generated, hf_greedy(path, PROMPT, n), "stream_generate")
+    expected = [([len(PROMPT)], [0])] + [([1], [len(PROMPT) + i]) for i in range(n - 1)]
+    for i, (got, want) in enumerate(zip(model.passes, expected)):
+        what = "the prefill" if i == 0 else f"decode pass {i}"
+        assert got == want, (
+            f"{what} should send {want[0][0]} new token(s) after {want[1][0]} cached (extend_lens {want[0]}, "
+            f"prefix_lens {want[1]}); it sent extend_lens {got[0]} after prefix_lens {got[1]}. A decode step runs only "
+            "the newest token against the cache: recomputing the sequence gives the same tokens, at the naive cost"
+        )
+    assert len(model.passes) == len(expected), (
+        f"{n} tokens take one prefill and {n - 1} decode passes ({len(expected)} forward passes), not "
+        f"{len(model.passes)}"
     )
 
 

@@ -3,6 +3,7 @@ the same outputs as stage 2's engine."""
 
 from __future__ import annotations
 
+from recording import PassRecorder
 from reference import (
     assert_logprobs_match,
     assert_same_tokens,
@@ -30,8 +31,16 @@ def test_forward_step_keeps_req_lengths_and_cache_in_step(tiny_models_root):
         for i, p in enumerate(PROMPTS)
     ]
     caches = [KVCache.for_model(model, capacity=4) for _ in reqs]
+    recorder = PassRecorder(model)
     for step in range(6):
-        forward_step(model, reqs, caches)
+        cached_before = [req.cached_len for req in reqs]
+        forward_step(recorder, reqs, caches)
+        sent = [len(p) for p in PROMPTS] if step == 0 else [1] * len(reqs)
+        assert recorder.passes[step:] == [(sent, cached_before)], (
+            f"step {step} should be one forward pass sending {sent} new tokens after {cached_before} cached "
+            f"(extend_lens, prefix_lens); it ran {recorder.passes[step:]}. Each request sends only what its cache "
+            "lacks (fill_ids[cached_len:device_len]): recomputing the sequence gives the same tokens, at the naive cost"
+        )
         for req, cache in zip(reqs, caches):
             where = f"request {req.rid} (prompt of {len(req.origin_input_ids)} tokens) after step {step}"
             assert len(req.output_ids) == step + 1, (
