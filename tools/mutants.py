@@ -109,6 +109,13 @@ MUTANTS: list[Mutant] = [
         ),
         r"step 0: your engine produced token",
     ),
+    Mutant(
+        "s01-only-the-first-eos",
+        "s01_naive_generate/generate.py",
+        "any of the model's EOS ids ends the output, not only the first",
+        edit("        if next_id in eos_token_ids:\n", "        if next_id in list(eos_token_ids)[:1]:\n"),
+        r"any of them ends",
+    ),
     # --- stage 2: requests and sampling --------------------------------------------------------
     Mutant(
         "s02-seed-no-upper-bound",
@@ -344,6 +351,51 @@ MUTANTS: list[Mutant] = [
             ("        x = x + _stack([s.bias for s in states], like=x[0])\n", "        pass\n"),
         ),
         r"added after the penalty",
+    ),
+    Mutant(
+        "s02-top-k-of-row-0-for-all",
+        "s02_request_and_sampling/sampler.py",
+        "each row is filtered by its own request's top_k",
+        edit(
+            "keep &= top_k_mask(probs, torch.tensor([p.top_k for p in params], device=device))",
+            "keep &= top_k_mask(probs, torch.tensor([params[0].top_k] * len(params), device=device))",
+        ),
+        r"own kept tokens",
+    ),
+    Mutant(
+        "s02-min-p-only-if-row-0-asks",
+        "s02_request_and_sampling/sampler.py",
+        "a filter is applied whenever any row uses it, not only when the first row does",
+        edit("    if any(p.min_p > 0 for p in params):\n", "    if params[0].min_p > 0:\n"),
+        r"own kept tokens",
+    ),
+    Mutant(
+        "s02-logprobs-in-half-precision",
+        "s02_request_and_sampling/logprobs.py",
+        "log-probabilities are taken in float32, whatever the model's dtype",
+        edit(
+            "    x = logits[rows].float() if len(rows) < len(top_ks) else logits.float()",
+            "    x = logits[rows] if len(rows) < len(top_ks) else logits",
+        ),
+        r"float32",
+    ),
+    Mutant(
+        "s02-top-p-of-1-not-off",
+        "s02_request_and_sampling/sampler.py",
+        "top_p = 1 keeps the whole row, even where float32's running sum passes 1",
+        edit("    keep_sorted = (mass_before < top_p) | (top_p >= 1)\n", "    keep_sorted = mass_before < top_p\n"),
+        r"top_p=1 \(off\)",
+    ),
+    Mutant(
+        "s02-ignore-eos-any-value",
+        "s02_request_and_sampling/sampling_params.py",
+        "ignore_eos is True or False: a string or a number is refused",
+        edit(
+            "        if not isinstance(self.ignore_eos, bool):\n"
+            '            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")\n',
+            "",
+        ),
+        r"ignore_eos",
     ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(

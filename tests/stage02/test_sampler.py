@@ -180,6 +180,35 @@ def test_sampled_frequencies_follow_the_filtered_softmax():
     )
 
 
+# Each row of one batch with a filter of its own over FILTER_LOGITS at temperature 0.8: row 0 none
+# (all 10 tokens), top_k=2 (the 2 likeliest), top_p=0.6 (3: the mass before the 4th is 0.678),
+# min_p=0.3 (4: p >= 0.3 * 0.309).
+PER_ROW_FILTERS = [({}, 10), ({"top_k": 2}, 2), ({"top_p": 0.6}, 3), ({"min_p": 0.3}, 4)]
+
+
+def test_each_row_is_filtered_by_its_own_requests_settings():
+    logits = FILTER_LOGITS[SHUFFLE]
+    ranked = torch.softmax(logits / 0.8, dim=-1).argsort(descending=True).tolist()
+    draws = 500
+    params = [
+        SamplingParams(temperature=0.8, seed=seed, **kwargs) for kwargs, _ in PER_ROW_FILTERS for seed in range(draws)
+    ]
+    tokens = sample_tokens(logits.expand(len(params), -1).clone(), make_reqs(params))
+    for i, (kwargs, n_kept) in enumerate(PER_ROW_FILTERS):
+        drawn = set(tokens[i * draws : (i + 1) * draws])
+        kept = set(ranked[:n_kept])
+        what = ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "no filter"
+        outside = sorted(drawn - kept)
+        assert not outside, (
+            f"in a batch whose rows each have their own filter, the rows with {what} drew {outside}, outside their "
+            f"own kept tokens {sorted(kept)}: apply each request's top_k/top_p/min_p to its own row, and a filter "
+            "whenever ANY row uses it (row 0 here uses none)"
+        )
+        assert n_kept < 10 or len(drawn) >= 7, (
+            f"the rows with no filter drew only {sorted(drawn)} in {draws} draws: another row's filter changed them"
+        )
+
+
 def test_extreme_but_valid_values_still_draw_a_real_token():
     # Each value is accepted by SamplingParams; the sampler's float32 arithmetic must not turn it
     # into "keep nothing" (a draw past the vocabulary: a token id the model cannot embed).
@@ -225,7 +254,8 @@ def test_same_seed_same_tokens_whatever_the_batch():
         assert a == b, (
             f"a request with seed=1234 sampled token {a} at step {step} when alone, but {b} when it shared the "
             "batch with 3 other requests: draw each row with its own request's generator (req.generator), "
-            "never a shared or global random state"
+            "never a shared or global random state; and no other row's settings may change this row (a neighbour "
+            "has top_k=5, the others top_k=-1: off)"
         )
     assert len(set(alone)) > 5, (
         f"30 sampled steps of a near-uniform 50-token distribution gave only {sorted(set(alone))}: "

@@ -98,6 +98,18 @@ def test_top_p_keeps_the_most_likely_token_when_p_underflows_float32():
     )
 
 
+def test_top_p_of_1_keeps_every_token_even_where_float32_sums_past_1():
+    # top_p=1 means "off". Over a 32000-token row, float32's running sum of the sorted probabilities
+    # reaches 1.0 (rounded) before the last ~1000 tokens: "mass before < 1" would drop them.
+    logits = torch.randn(1, 32000, generator=torch.Generator().manual_seed(0)) * 3
+    row = torch.softmax(logits, dim=-1)
+    dropped = int((~top_p_mask(row, torch.tensor([1.0]))).sum())
+    assert dropped == 0, (
+        f"top_p=1 (off) dropped {dropped} of 32000 tokens: float32 rounding makes the mass before the last tokens "
+        "reach 1.0, so top_p >= 1 must keep the whole row whatever the sums say"
+    )
+
+
 def test_top_p_uses_each_rows_own_p():
     got = kept(top_p_mask(probs(), torch.tensor([0.9, 0.5])), "top_p_mask", 2)
     check("top_p_mask", got, [{3, 1, 4, 2}, in_row1({3, 1})], ["top_p=0.9", "top_p=0.5"])

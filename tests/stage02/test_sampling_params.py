@@ -31,6 +31,8 @@ BAD = [
     ("stop", "", "an empty stop string (it would match everywhere)"),
     ("stop", ["ok", ""], "an empty stop string in the list"),
     ("stop", [3], "a stop 'string' that is an int"),
+    ("ignore_eos", "yes", "a string (True or False)"),
+    ("ignore_eos", 1, "an int (True or False)"),
     ("stop_token_ids", [-1], "a negative token id"),
     ("stop_token_ids", [1.5], "a fractional token id"),
     ("seed", -1, "a negative seed"),

@@ -36,9 +36,11 @@ def test_max_new_tokens_one_is_just_the_prefill(tiny_models_root):
 def test_stops_at_eos_and_keeps_it(tiny_models_root):
     path = tiny_models_root / "llama"
     prompt = PROMPTS["short"]
-    eos = hf_greedy(path, prompt, 10)[3]  # pretend the 4th token transformers picks is an end-of-sequence id
-    got = cached_generate(engine_model(str(path)), prompt, max_new_tokens=10, eos_token_ids=[eos])
-    assert_same_tokens(got, hf_greedy(path, prompt, 10, eos=[eos]), f"with EOS id {eos}")
+    free_run = hf_greedy(path, prompt, 10)
+    eos = free_run[3]  # pretend the 4th token transformers picks is an end-of-sequence id
+    eos_ids = [next(i for i in range(1000) if i not in free_run), eos]  # several EOS ids: any of them ends it
+    got = cached_generate(engine_model(str(path)), prompt, max_new_tokens=10, eos_token_ids=eos_ids)
+    assert_same_tokens(got, hf_greedy(path, prompt, 10, eos=[eos]), f"with EOS ids {eos_ids} (any of them ends it)")
     assert got[-1] == eos, "the EOS token ends the output and is kept in it"
 
 
