@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import impl_switch  # noqa: E402
 
+IMPL_CHOSEN = "ENGINE_IMPL" in os.environ  # before install(), which sets it for child processes
 SWITCH = impl_switch.install()
 
 from stuck_watch import StuckWatch, frame_of, frames_of, location, make_watch, timed_out_after  # noqa: E402
@@ -167,7 +168,12 @@ def pytest_make_collect_report(collector):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """Each exercise that is not written yet once, with how many tests wait on it."""
+    """Which code was tested (pytest -q hides the header that says so), then each exercise that is
+    not written yet once, with how many tests wait on it."""
+    # A learner who runs pytest by hand tests the reference unless told otherwise, and all green
+    # would look like their own code passing.
+    hint = "" if IMPL_CHOSEN else " (the default; your own code: make stage-N, or ENGINE_IMPL=stages)"
+    terminalreporter.write_line(f"{SWITCH.describe()}{hint}")
     pending = config.stash.get(NOT_WRITTEN, {})
     if not pending:
         return

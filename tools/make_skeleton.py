@@ -147,9 +147,9 @@ def keep_generators(solution: str, skeleton: str) -> str:
         last = function.body[-1]
         if qualname in lost and isinstance(last, ast.Raise) and last.end_lineno is not None:
             indent = lines[last.lineno - 1][: len(lines[last.lineno - 1]) - len(lines[last.lineno - 1].lstrip())]
-            inserts.append(
-                (last.end_lineno, f"{indent}yield  # keeps {function.name} a generator, as the solution is\n")
-            )
+            # Left after a learner's code, a bare yield would give one more item (None): say to delete it.
+            note = f"keeps {function.name} a generator until you write it; delete this line then"
+            inserts.append((last.end_lineno, f"{indent}yield  # {note}\n"))
     for after, line in sorted(inserts, reverse=True):
         lines.insert(after, line)
     return "".join(lines)

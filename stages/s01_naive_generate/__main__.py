@@ -21,6 +21,7 @@ def main() -> None:
     path, device, model, tokenizer = load_from_args(args)
     prompt_ids = tokenizer.encode_prompt(args.prompt)
 
+    naive_generate(model, prompt_ids, 1)  # warm-up: the first pass loads the C++ kernels (seconds), untimed
     start = time.perf_counter()
     new_ids = naive_generate(model, prompt_ids, args.max_new_tokens, tokenizer.eos_token_ids)
     elapsed = time.perf_counter() - start

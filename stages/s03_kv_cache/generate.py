@@ -64,7 +64,7 @@ def stream_generate(
     raise NotImplementedError(
         "Stage 3: prefill once, then decode one token per step - see stages/s03_kv_cache/README.md#what-you-write"
     )
-    yield  # keeps stream_generate a generator, as the solution is
+    yield  # keeps stream_generate a generator until you write it; delete this line then
 
 
 def cached_generate(

@@ -83,7 +83,7 @@ async def stream_chunks(
     raise NotImplementedError(
         "Stage 9: the stream's chunks for these outputs (text, finish, usage) - see stages/s09_zmq_serving/README.md#streaming-sse"  # noqa: E501 (one message, the learner's to read whole)
     )
-    yield  # keeps stream_chunks a generator, as the solution is
+    yield  # keeps stream_chunks a generator until you write it; delete this line then
 
 
 def choices_of(req: GenerateReqInput, n: int) -> list[GenerateReqInput]:
