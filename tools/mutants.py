@@ -397,6 +397,35 @@ MUTANTS: list[Mutant] = [
         ),
         r"ignore_eos",
     ),
+    Mutant(
+        "s02-stop-strings-before-tokens",
+        "s02_request_and_sampling/req.py",
+        "a stop token / EOS is checked before the stop strings",
+        (
+            (
+                """        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+            return
+
+""",
+                "",
+            ),
+            (
+                """                self.finished_reason = FinishReason("stop", matched=stop_str)
+                return
+
+""",
+                """                self.finished_reason = FinishReason("stop", matched=stop_str)
+                return
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+            return
+
+""",
+            ),
+        ),
+        r"stop tokens are checked before stop strings",
+    ),
     # --- stage 3: the KV cache ----------------------------------------------------------------
     Mutant(
         "s03-attend-new-tokens-only",

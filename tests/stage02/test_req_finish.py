@@ -111,6 +111,18 @@ def test_stop_beats_length_on_the_same_token(tokenizer):
     expect_stop(make_req(tokenizer, max_new_tokens=4, stop="END"), ids, "xEND", 3, FinishReason("stop", "END"), "x")
 
 
+def test_a_stop_token_that_also_completes_a_stop_string_stops_as_the_token(tokenizer):
+    # "D" is a stop token and ends the stop string "END": tokens are checked first, so the
+    # request stopped on the token (not part of the text), and "EN" stays.
+    req = make_req(tokenizer, stop="END", stop_token_ids=[ord("D")])
+    feed(req, utf8("xEND"))
+    assert (req.finished_reason, req.output_text) == (FinishReason("stop", ord("D")), "xEN"), (
+        "'D' is a stop token and completes the stop string 'END': stop tokens are checked before stop strings, so "
+        f"it stops on the token (finished_reason {FinishReason('stop', ord('D'))}, output_text 'xEN'); got "
+        f"{req.finished_reason}, {req.output_text!r}"
+    )
+
+
 # --- stop strings -----------------------------------------------------------------------------
 
 
