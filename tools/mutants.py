@@ -1541,6 +1541,35 @@ MUTANTS: list[Mutant] = [
         ),
         r"not content",
     ),
+    Mutant(
+        "s09-filled-max-tokens-dropped",
+        "s09_zmq_serving/scheduler_process.py",
+        "a request without max_tokens runs to the end of the context: the engine gets the params with it filled in",
+        edit(
+            "            self.reqs[req.rid] = self.engine.add_request(req.input_ids, params, rid=req.rid)",
+            "            self.reqs[req.rid] = self.engine.add_request(req.input_ids, req.sampling_params, rid=req.rid)",
+        ),
+        r"fill_max_new_tokens|end of the context|until its prompt",
+    ),
+    Mutant(
+        "s09-seed-zero-dropped",
+        "s09_zmq_serving/protocol.py",
+        "0 is a value (seed=0, temperature=0), not a field left out",
+        edit('        "seed": request.seed,\n', '        "seed": request.seed or None,\n'),
+        r"is not None",
+    ),
+    Mutant(
+        "s09-loop-swallows-errors",
+        "s09_zmq_serving/scheduler_process.py",
+        "what run_batch raises (a broken state) ends the scheduler process; the loop does not catch it",
+        edit(
+            "            if self.engine.has_work:\n                self.send_outputs(self.run_batch())\n",
+            "            if self.engine.has_work:\n                try:\n"
+            "                    self.send_outputs(self.run_batch())\n"
+            '                except Exception:\n                    logger.exception("a step failed")\n',
+        ),
+        r"must not catch what run_batch raises",
+    ),
     # --- stage 10: overlap scheduling --------------------------------------------------------------
     Mutant(
         "s10-resolve-not-in-place",

@@ -15,12 +15,15 @@ from typing import Any
 
 import pytest
 
+from s02_request_and_sampling.sampling_params import SamplingParams
+from s09_zmq_serving.io_struct import TokenizedGenerateReqInput
 from s09_zmq_serving.scheduler_process import SchedulerProcess
 from s09_zmq_serving.worker_loop import IDLE_POLL_MS
 
 
-class LoopEnded(Exception):
-    """Raised by the stand-in socket when its script is over: the only way out of the loop."""
+class LoopEnded(BaseException):
+    """Raised by the stand-in socket when its script is over: the only way out of the loop (a
+    BaseException, so that a loop that catches Exception still ends here)."""
 
 
 class ScriptedEngine:
@@ -46,6 +49,7 @@ class ScriptedScheduler(SchedulerProcess):
         self.engine = ScriptedEngine()
         self.log: list[tuple] = []
         self.turns = iter(script)
+        self.fail_with: Exception | None = None  # what run_batch raises, if anything
 
     def recv_requests(self, block: bool) -> list[str]:
         self.log.append(("recv", block, self.engine.has_work))
@@ -62,6 +66,8 @@ class ScriptedScheduler(SchedulerProcess):
             self.engine.steps_left += int(message.split(":")[1])
 
     def run_batch(self) -> list[str]:
+        if self.fail_with is not None:
+            raise self.fail_with
         if not self.engine.has_work:
             raise AssertionError(
                 "the loop ran a batch (run_batch) while the engine had no work: step only when engine.has_work"
@@ -141,4 +147,50 @@ def test_messages_are_processed_before_the_step_that_follows_them():
         "every message a recv returns is processed before the engine's next step (a request that arrived "
         "joins that step: continuous batching; an abort frees its slots before it), and after an abort that "
         f"leaves no work the loop does not step.\n  expected: {expected}\n  the loop did: {log}"
+    )
+
+
+def test_what_run_batch_raises_ends_the_loop():
+    """run_batch already turns a failed step into errors for its requests; what it raises means
+    the engine's state is broken (its invariants, fatal_error), and the process must end: the
+    launcher then stops the server. A loop that catches it would serve on from a broken state."""
+    scheduler = ScriptedScheduler([["req:2"], [], []])
+    scheduler.fail_with = RuntimeError("the engine's state is broken")
+    try:
+        scheduler.event_loop()
+    except RuntimeError as error:
+        assert error is scheduler.fail_with
+    except LoopEnded:
+        raise AssertionError(
+            "run_batch raised RuntimeError (broken invariants) and the loop went on until its script ended: the loop "
+            "must not catch what run_batch raises (run_batch already answers a failed step's requests with an error)"
+        ) from None
+    else:
+        raise AssertionError("the loop returned; it ends only by an exception")
+
+
+class RecordingEngine:
+    """Takes requests and writes down the SamplingParams each came with."""
+
+    def __init__(self):
+        self.added: list[SamplingParams] = []
+
+    def add_request(self, input_ids, sampling_params, rid=None):
+        self.added.append(sampling_params)
+        return rid
+
+
+def test_a_request_without_max_tokens_may_run_to_the_end_of_the_context():
+    scheduler = SchedulerProcess.__new__(SchedulerProcess)  # no sockets, no engine: only what the handler uses
+    scheduler.engine, scheduler.reqs, scheduler.context_len = RecordingEngine(), {}, 64
+    prompt = list(range(10))
+    # As to_sampling_params leaves it: max_new_tokens 1 (a placeholder SamplingParams accepts) and the flag.
+    scheduler.handle_generate_request(
+        TokenizedGenerateReqInput("r", prompt, SamplingParams(max_new_tokens=1), fill_max_new_tokens=True)
+    )
+    [params] = scheduler.engine.added
+    assert params.max_new_tokens == 64 - 10 + 1, (
+        "a request without max_tokens (fill_max_new_tokens) may generate until its prompt and output fill the context "
+        f"(64 - 10 + 1 = 55 new tokens, the last one's K/V never stored); the engine got max_new_tokens="
+        f"{params.max_new_tokens}: pass the params with max_new_tokens filled in, not req.sampling_params"
     )

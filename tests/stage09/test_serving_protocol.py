@@ -83,7 +83,19 @@ def test_defaults_and_max_completion_tokens():
     )
     with pytest.raises(InvalidRequest) as caught:
         to_sampling_params(ChatCompletionRequest(model="m", messages=MESSAGES, max_tokens=5, max_completion_tokens=9))
-    assert caught.value.param == "max_completion_tokens", "max_tokens=5 with max_completion_tokens=9 must be refused"
+    assert caught.value.param == "max_completion_tokens", (
+        "max_tokens=5 with max_completion_tokens=9 is refused naming max_completion_tokens (the newer name, which "
+        f"disagrees with the older); it named {caught.value.param!r}"
+    )
+
+
+def test_a_zero_is_a_value_not_a_field_left_out():
+    params, _ = to_sampling_params(ChatCompletionRequest(model="m", messages=MESSAGES, seed=0, temperature=0))
+    assert (params.seed, params.temperature) == (0, 0.0), (
+        "seed=0 and temperature=0 are values the client chose: test a field with `is not None`, not its truth "
+        f"(`request.seed or None` drops seed 0, and the request is then not reproducible); got seed={params.seed}, "
+        f"temperature={params.temperature}"
+    )
 
 
 @pytest.mark.parametrize(
