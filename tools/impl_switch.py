@@ -202,6 +202,17 @@ def earlier_stage_hint(package: str, message: str) -> str:
     )
 
 
+def stage_9_server_of_your_own(package: str, switch: Switch, args: list[str]) -> bool:
+    """Whether this runs the learner's stage 9 server with no overlap flag, stages 10-11 theirs too."""
+    overlap_flags = {"--disable-overlap", "--enable-overlap"}
+    return (
+        package.startswith("s09_")
+        and switch.impl == "stages"
+        and switch.reference_upto < 10
+        and not overlap_flags & set(args)
+    )
+
+
 def main(argv: list[str]) -> int:
     usage = "usage: impl_switch.py run STAGE|PACKAGE [ARGS...]  |  impl_switch.py describe"
     try:
@@ -217,7 +228,16 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"[{package}] {switch.describe()}", file=sys.stderr)
-    sys.argv = [package, *argv[2:]]
+    args = argv[2:]
+    if stage_9_server_of_your_own(package, switch, args):
+        # Its server would build the newest engine (stage 11's, overlapped), so every request of a
+        # learner who has not written stages 10-11 would fail: stage 9's milestone serves stage 8's
+        # engine, as its tests do.
+        args.append("--disable-overlap")
+        print(
+            f"[{package}] serving stage 8's engine (--disable-overlap): stages 10-11 are theirs to add", file=sys.stderr
+        )
+    sys.argv = [package, *args]
     sys.path[0] = os.getcwd()  # as `python -m` would have it, not tools/
     try:
         runpy.run_module(package, run_name="__main__", alter_sys=True)

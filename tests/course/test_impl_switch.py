@@ -216,3 +216,19 @@ def test_a_milestone_stopped_by_an_earlier_stages_exercise_says_how_to_run_it_on
     assert done.returncode == 1, done.stderr
     assert "not written yet -> Stage 97: write alpha" in done.stderr, done.stderr
     assert "make run-98 REFERENCE_UPTO=97" in done.stderr, done.stderr
+
+
+def test_a_learners_stage_9_milestone_serves_stage_8s_engine_until_told_otherwise(tmp_path):
+    """Its server would build stage 11's engine: a learner at stage 9 has no stages 10-11 yet, and
+    every request failed with 'not written yet -> Stage 10'."""
+    from impl_switch import Switch, stage_9_server_of_your_own
+
+    def switch(impl: str, upto: int) -> Switch:
+        return Switch(impl=impl, reference_upto=upto, solutions_dir=tmp_path, stages_dir=tmp_path)
+
+    assert stage_9_server_of_your_own("s09_zmq_serving", switch("stages", 0), ["--port", "8000"])
+    assert stage_9_server_of_your_own("s09_zmq_serving", switch("stages", 8), [])
+    assert not stage_9_server_of_your_own("s09_zmq_serving", switch("stages", 11), [])  # 10-11 the reference's
+    assert not stage_9_server_of_your_own("s09_zmq_serving", switch("solutions", 0), [])  # make serve, make demo
+    assert not stage_9_server_of_your_own("s09_zmq_serving", switch("stages", 0), ["--enable-overlap"])
+    assert not stage_9_server_of_your_own("s10_overlap_scheduling", switch("stages", 0), [])
