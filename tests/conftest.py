@@ -52,7 +52,8 @@ def time_limit(item) -> float | None:
 
 def servers_of(item) -> list:
     """The running servers a test uses as fixtures (stage 9's ``Server``, also in stages 10 and 11)."""
-    return [value for value in getattr(item, "funcargs", {}).values() if hasattr(value, "check_answering")]
+    servers = [value for value in getattr(item, "funcargs", {}).values() if hasattr(value, "check_answering")]
+    return list({id(server): server for server in servers}.values())  # a session's fixture and the test's: one
 
 
 @pytest.hookimpl(wrapper=True)
@@ -120,6 +121,11 @@ def pytest_runtest_makereport(item, call):
     one that waited in vain for a server's answer says so first (and its server is asked next time)."""
     report = yield
     if call.when == "call" and call.excinfo is not None:
+        # What a server said is in its log, not in the test's traceback (a connection error, a 500):
+        # a server that died during the test says why, any other points at its log.
+        notes = [server.failure_note() for server in servers_of(item)]
+        if notes:
+            report.longrepr = "\n".join([*notes, "", str(report.longrepr)])
         waited = [server.note_failure(item.nodeid, call.excinfo.value) for server in servers_of(item)]
         if any(waited):
             report.longrepr = (

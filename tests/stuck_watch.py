@@ -39,6 +39,12 @@ TIMED_OUT = re.compile(r"Timeout \(>([\d.]+)s\) from pytest-timeout")
 
 Frame = tuple[str, int, str]  # (file, line, function)
 
+# Places where a test waits on something else, not in a loop of its own: said as such at the mark.
+WAITS = (
+    ("ServerProcess.wait_ready", "waiting for its server to start"),
+    ("cpu_extension.py", "waiting for the C++ kernels to build or load (one process at a time does)"),
+)
+
 
 class StuckTest(BaseException):
     """How the watch stops a test: a BaseException, so that neither the code under test (an
@@ -82,6 +88,15 @@ def innermost(found: list[tuple[str, Frame]]) -> set[tuple[str, str]]:
     """The innermost course frame's (file, function), as a set (empty if there is none). Only that
     one is compared: an outer one (a generate loop) is on the stack of every test, stuck or not."""
     return {(found[-1][1][0], found[-1][1][2])} if found else set()
+
+
+def waiting_for(found: list[tuple[str, Frame]]) -> str | None:
+    """What a test found in one of the WAITS is waiting for, else None."""
+    for _, (path, _, function) in found:
+        for mark, what in WAITS:
+            if function.endswith(mark) or path.endswith(mark):
+                return what
+    return None
 
 
 def call_path(found: list[tuple[str, Frame]]) -> str:
@@ -176,11 +191,12 @@ class StuckWatch:
         if ended.wait(after_s):
             return
         places: set[tuple[str, str]] = set()  # the innermost course function of each look
-        path_now = ""
+        path_now, waiting = "", None
         for _ in range(SAMPLES):
             found = self.where(stack_of(thread_id))
             places |= innermost(found)
             path_now = call_path(found) or path_now
+            waiting = waiting_for(found) or waiting
             if ended.wait(SAMPLE_GAP_S):
                 return
         self.seen[nodeid] = places
@@ -194,7 +210,9 @@ class StuckWatch:
                 "A loop that never ends? (If it is only slow: ENGINE_STILL_RUNNING_S=SECONDS.)",
             )
         elif self.say is not None:
-            if path_now:
+            if waiting is not None:
+                now = f", {waiting} ({path_now}): a wait, not a loop, as long as it ends"
+            elif path_now:
                 now = f"; now in {path_now}. Most tests take seconds: if this one goes on, a loop may never end"
             else:  # e.g. a stage 9 test waiting for its server, whose code runs in other processes
                 now = ", waiting outside this process's course code (for a server's answer, say)"

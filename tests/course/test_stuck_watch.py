@@ -80,6 +80,23 @@ def test_a_test_past_its_mark_is_announced_with_where_it_is(course):
     assert len(said) == 2 and "[still running after 1 s]" in said[1], said[1:]
 
 
+def test_a_test_waiting_for_the_kernels_build_is_announced_as_a_wait(course, tmp_path):
+    """Waiting for the shared kernel build of another process was announced as a loop that may never
+    end, which alarmed learners whose code was fine."""
+    _, watch, said, root = course
+    path = root / "cpu_extension.py"
+    path.write_text("def build(stop):\n    stop.wait()\n")
+    spec = importlib.util.spec_from_file_location("cpu_extension_for_the_watch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stop = threading.Event()
+    threading.Timer(0.8, stop.set).start()
+    with watch.running("tests/test_x.py::test_first_engine"):
+        module.build(stop)
+    assert len(said) == 1 and "waiting for the C++ kernels to build or load" in said[0], said
+    assert "a wait, not a loop" in said[0] and "may never end" not in said[0], said[0]
+
+
 @pytest.mark.skipif(INTERRUPT is None, reason="the watch stops a test with a signal (POSIX)")
 def test_a_test_where_an_earlier_one_got_stuck_fails_at_its_mark(course):
     module, watch, said, root = course

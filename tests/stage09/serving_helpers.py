@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup li
 # (a tiny model answers one token in well under a second): else the server is not waited on again.
 CANARY_TIMEOUT_S = 15
 CANARY_REQUEST = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
+FAILED_SERVER_GRACE_S = 2  # how long a failed test waits to see whether its server is going down
 
 TINY_FAMILY = "llama"
 # Every stage-9 server serves stage 8's engine: without --disable-overlap the server runs stage
@@ -138,6 +140,18 @@ class Server:
         code = self.process.proc.poll()
         if code is not None:
             pytest.fail(f"the server on {self.model.name} has exited (code {code}):\n{self.why()}", pytrace=False)
+
+    def failure_note(self) -> str:
+        """For a test on this server that failed: the server's exit and why, if it died; else where
+        its log is (a request's traceback in a worker process is there)."""
+        try:  # a worker that died takes the server down within a moment (the launcher stops the rest)
+            code = self.process.proc.wait(timeout=FAILED_SERVER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            return f"(the server's log, with any traceback from its processes: {self.log_path})"
+        return (
+            f"the server on {self.model.name} exited (code {code}) during this test:\n{self.why()}\n"
+            f"(its log: {self.log_path})"
+        )
 
     def note_failure(self, nodeid: str, error: BaseException) -> bool:
         """A test on this server failed with ``error``: if it waited in vain for an answer, remember
