@@ -235,7 +235,9 @@ def main(argv: list[str]) -> int:
         # engine, as its tests do.
         args.append("--disable-overlap")
         print(
-            f"[{package}] serving stage 8's engine (--disable-overlap): stages 10-11 are theirs to add", file=sys.stderr
+            f"[{package}] serving stage 8's engine, as stage 9's tests do (--disable-overlap; once stages 10-11 are "
+            "written, ARGS=--enable-overlap serves the newest)",
+            file=sys.stderr,
         )
     sys.argv = [package, *args]
     sys.path[0] = os.getcwd()  # as `python -m` would have it, not tools/
