@@ -653,7 +653,7 @@ def stream_chunk(
     the chunk adds to its choice, a chat's delta (a dict) or a completion's text; None makes the
     usage-only chunk (no choices). ``logprobs``: the entries of this chunk's tokens (None: the
     request did not ask); ``index``: the choice it belongs to."""
-    chunk = {
+    chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
         "created": created,
