@@ -67,7 +67,7 @@ help:
 	@echo "  make check-skeleton   fail if stages/ is out of sync with solutions/"
 	@echo "  make prove-fail       every graded test must fail on its stage's skeleton"
 	@echo "  make grade CHECKOUTS=\"dir1 dir2\" [STAGES=1-4] [ISOLATED=1]   score learners' checkouts (JUnit in reports/grades/)"
-	@echo "  make mutants [STAGES=5-7]   plant realistic learner bugs one at a time; kill rate per stage (about 30 min)"
+	@echo "  make mutants [STAGES=5-7]   plant realistic learner bugs one at a time; kill rate per stage (about 40 min)"
 	@echo "  make clean            caches and reports; make distclean also removes .venv and models/"
 
 # ---- setup -----------------------------------------------------------------------------
