@@ -222,7 +222,10 @@ def mutate(body: dict, rng: random.Random) -> None:
             rng.choice([f for f in FIELDS if f != "max_tokens"]), None
         )  # never max_tokens: a run to the end of the context is slow
     else:
-        body[rng.choice(FIELDS)] = hostile_value(rng)
+        field = rng.choice(FIELDS)
+        body[field] = hostile_value(rng)
+        while field == "max_tokens" and body[field] is None:  # null is absent (minutes on a CPU, past the client's
+            body[field] = hostile_value(rng)  # timeout: the soak counted the wait as a problem)
 
 
 def hostile_request(rng: random.Random, model: str) -> tuple[str, bytes, dict | None]:
@@ -477,6 +480,7 @@ class Soak:
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.problems: list[str] = []
         self.lock = threading.Lock()
+        self.sent = threading.local()  # each client's last request, named when it fails (to replay it)
 
     def record(self, kind: str, outcome: str, problems: Sequence[str] = ()) -> None:
         with self.lock:
@@ -484,17 +488,20 @@ class Soak:
             self.problems += [f"{kind}: {p}" for p in problems]
 
     def post(self, path: str, data: bytes, timeout: float = 120, stream: bool = False) -> requests.Response:
+        self.sent.request = f"POST {path} {data[:400]!r}{' ...' if len(data) > 400 else ''}"
         return requests.post(self.base_url + path, data=data, headers=self.headers, timeout=timeout, stream=stream)
 
     def client(self, seed: int, slow: bool = False) -> None:
         rng = random.Random(seed)
         while time.monotonic() < self.deadline:
             kind = "slow" if slow else rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+            self.sent.request = None
             try:
                 getattr(self, kind)(rng)
             except (requests.RequestException, OSError) as error:
+                sent = f" (the request: {self.sent.request})" if self.sent.request else ""
                 self.record(
-                    kind, f"client error {type(error).__name__}", [f"{type(error).__name__}: {str(error)[:200]}"]
+                    kind, f"client error {type(error).__name__}", [f"{type(error).__name__}: {str(error)[:200]}{sent}"]
                 )
 
     def good(self, rng: random.Random) -> None:

@@ -1,10 +1,13 @@
 """The soak's own checks (tools/soak_serving.py, not graded): an answer that ended by itself is
 held to its grammar, a JSON object's keys to the schema's order; an answer with log-probabilities
-to its text (the entries' bytes spell it) and to the alternatives asked for."""
+to its text (the entries' bytes spell it) and to the alternatives asked for; a hostile request
+stays short enough to be answered within the client's timeout."""
 
 from __future__ import annotations
 
-from soak_serving import SCHEMAS, grammar_problems, logprob_problems, stream_problems
+import random
+
+from soak_serving import SCHEMAS, grammar_problems, hostile_request, logprob_problems, stream_problems
 
 TAGGED = SCHEMAS[1]  # properties n, then tag
 
@@ -86,3 +89,12 @@ def test_a_stream_of_n_choices_ends_each_choice_once():
     assert any("0..2" in p for p in stream_problems(good, False, False, n=3)), "a missing choice is a problem"
     twice = [chunk(0, "a", "stop"), chunk(0, "", "stop")]
     assert stream_problems(twice, False, False) != []
+
+
+def test_a_hostile_request_never_leaves_max_tokens_unbounded():
+    # max_tokens null is absent: a run to the end of the context, minutes on a CPU, so the soak
+    # counted a legitimate long answer as a client that waited in vain (found in a 5-minute soak).
+    rng = random.Random(0)
+    bodies = [body for _, _, body in (hostile_request(rng, "m") for _ in range(5000)) if body is not None]
+    assert all(body.get("max_tokens") is not None for body in bodies)
+    assert sum(body["max_tokens"] not in range(1, 9) for body in bodies) > 50  # hostile values still drawn
