@@ -114,6 +114,19 @@ def earlier_stage_hint(item, message: str) -> str:
     )
 
 
+def say_with(report, title: str, text: str, headline: str | None = None) -> None:
+    """Add ``text`` to a failure's report, under ``title`` after its traceback, and ``headline``
+    (if given) before the failure's message on its summary line (pytest's last lines, JUnit's
+    message). The report stays pytest's own: a string in its place would leave the summary line
+    without the failure's message, the line a learner reads first."""
+    report.sections.append((title, text))
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if headline is not None and crash is not None:
+        crash.message = f"{headline}: {crash.message}"
+    elif headline is not None:
+        report.longrepr = f"{headline}\n{report.longrepr}"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A stage exercise not written yet fails with where and what to write instead of a traceback;
@@ -122,25 +135,31 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if call.when == "call" and call.excinfo is not None:
         # What a server said is in its log, not in the test's traceback (a connection error, a 500):
-        # a server that died during the test says why, any other points at its log.
-        notes = [server.failure_note() for server in servers_of(item)]
-        if notes:
-            report.longrepr = "\n".join([*notes, "", str(report.longrepr)])
+        # a server that died during the test says so first, any other points at its log.
+        for server in servers_of(item):
+            died, note = server.failure_note()
+            say_with(report, "the server", note, headline=died)
         waited = [server.note_failure(item.nodeid, call.excinfo.value) for server in servers_of(item)]
         if any(waited):
-            report.longrepr = (
-                "no answer: a request to the server got no answer in time. Does every request reach the engine, "
-                "and do its outputs go back through the detokenizer? The next test on this server first checks "
-                f"that it answers a one-token request.\n\n{report.longrepr}"
+            say_with(
+                report,
+                "no answer",
+                "a request to the server got no answer in time. Does every request reach the engine, and do its "
+                "outputs go back through the detokenizer? The next test on this server first checks that it "
+                "answers a one-token request.",
+                headline="no answer in time",
             )
     limit = timed_out_after(call.excinfo.value) if call.excinfo is not None else None
     if limit is not None:
         where = item.config.stash[STUCK_WATCH].got_stuck(item.nodeid, frames_of(call.excinfo))
         running = f"; when it was stopped, it was running {where}" if where else ""
-        report.longrepr = (
-            f"stuck: the test ran past {limit:g} s{running}. A loop that never ends? The traceback below "
-            "ends where it was (PYTEST_TIMEOUT=SECONDS changes the limit; a later test found in the same "
-            f"place is stopped at its ENGINE_STILL_RUNNING_S mark instead).\n\n{report.longrepr}"
+        say_with(
+            report,
+            "stuck",
+            f"stuck: the test ran past {limit:g} s{running}. A loop that never ends? The traceback above ends "
+            "where it was (PYTEST_TIMEOUT=SECONDS changes the limit; a later test found in the same place is "
+            "stopped at its ENGINE_STILL_RUNNING_S mark instead).",
+            headline=f"stuck: ran past {limit:g} s",
         )
     unwritten = unwritten_exercise(call.excinfo) if call.excinfo is not None else None
     if unwritten is not None:

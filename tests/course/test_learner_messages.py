@@ -3,9 +3,10 @@
 Runs pytest on the real skeleton in stages/, as `make stage-4` does, and checks that the
 failure names the file, line and function to write, that an earlier stage's exercise says how
 to test this stage without it, that the summary lists each exercise once, that code which
-does not import says why without pages of import machinery, and that a test stuck in a loop
+does not import says why without pages of import machinery, that a test stuck in a loop
 is announced at its mark, fails at the timeout naming the line it was running, and that the next
-test stuck in the same function fails at its own mark.
+test stuck in the same function fails at its own mark, and that a failing test on a server says
+what the server said without hiding the failure's own message.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def learner_run(
     exit_code: int = 1,
     test_timeout_s: int | None = None,
     still_running_s: int | None = None,
+    columns: int | None = None,
 ) -> str:
     env = {k: v for k, v in os.environ.items() if k not in SWITCH_VARS and k not in LIMIT_VARS}
     env.update(ENGINE_IMPL="stages", ENGINE_REFERENCE_UPTO=str(reference_upto))
+    if columns is not None:  # a terminal this wide (pytest's summary lines are cut to the width)
+        env["COLUMNS"] = str(columns)
     if stages_dir is not None:
         env["ENGINE_STAGES_DIR"] = str(stages_dir)
     if test_timeout_s is not None:
@@ -116,3 +120,41 @@ def test_a_stuck_test_is_announced_fails_and_the_next_one_there_fails_sooner(tmp
     assert took is not None and float(took.group(1)) < 8, (
         f"the second stuck test should stop at its 2 s mark, well before the 10 s limit: {out[-1500:]}"
     )
+
+
+def stage_9_with(tmp_path: Path, old: str, new: str) -> Path:
+    """A stages folder holding the reference with one change in stage 9's scheduler."""
+    stages = tmp_path / "stages"
+    shutil.copytree(REPO / "solutions", stages, ignore=shutil.ignore_patterns("__pycache__", "s00_foundation"))
+    scheduler = stages / "s09_zmq_serving" / "scheduler_process.py"
+    code = scheduler.read_text()
+    assert code.count(old) == 1, f"stage 9's scheduler no longer holds {old!r}"
+    scheduler.write_text(code.replace(old, new))
+    return stages
+
+
+def test_a_server_that_dies_during_a_test_says_so_first_with_its_error(tmp_path):
+    """A scheduler that raises ends the server; openai's client says only 'Connection error' or a
+    500. The failure's summary line starts with the server's exit, and the report shows the
+    server's error lines."""
+    stages = stage_9_with(tmp_path, "self.send_outputs(self.run_batch())\n", "self.send_outputs(self.run_batch(), 1)\n")
+    test = "tests/stage09/test_serving_openai.py::test_models_lists_the_served_model"
+    out = learner_run(test, stages_dir=stages, columns=400)
+    assert f"FAILED {test} - the server on llama exited (code 1) during this test: " in out, out[-3000:]
+    section = out[out.index(" the server ---") :]
+    assert "TypeError: SchedulerProcess.send_outputs() takes 2 positional arguments" in section, out[-3000:]
+
+
+def test_a_failure_on_a_live_server_keeps_its_message_and_names_the_servers_log(tmp_path):
+    """The server's log is named after the traceback; the summary line still says what failed
+    (a note put in place of pytest's report left that line with the note instead)."""
+    stages = stage_9_with(
+        tmp_path,
+        "self.send_to_detokenizer.send_pyobj(ErrorOut.refused(req.rid, error))",
+        "self.send_to_detokenizer.send_pyobj(ErrorOut(req.rid, str(error), 400))",
+    )
+    test = "tests/stage09/test_serving_errors.py::test_bad_input_gets_an_openai_error_and_the_server_keeps_serving"
+    out = learner_run(f"{test}[a prompt longer than the context]", stages_dir=stages, columns=400)
+    assert " - AssertionError: a prompt longer than the context: the engine refused it as too long" in out, out[-3000:]
+    section = out[out.index(" the server ---") :]
+    assert "its log, with any traceback from its processes: " in section, out[-3000:]

@@ -141,17 +141,15 @@ class Server:
         if code is not None:
             pytest.fail(f"the server on {self.model.name} has exited (code {code}):\n{self.why()}", pytrace=False)
 
-    def failure_note(self) -> str:
-        """For a test on this server that failed: the server's exit and why, if it died; else where
-        its log is (a request's traceback in a worker process is there)."""
+    def failure_note(self) -> tuple[str | None, str]:
+        """For a test on this server that failed: (its exit, if it died during the test, else None;
+        what to read: why it died, or where its log is, which holds any traceback of a request)."""
         try:  # a worker that died takes the server down within a moment (the launcher stops the rest)
             code = self.process.proc.wait(timeout=FAILED_SERVER_GRACE_S)
         except subprocess.TimeoutExpired:
-            return f"(the server's log, with any traceback from its processes: {self.log_path})"
-        return (
-            f"the server on {self.model.name} exited (code {code}) during this test:\n{self.why()}\n"
-            f"(its log: {self.log_path})"
-        )
+            return None, f"its log, with any traceback from its processes: {self.log_path}"
+        died = f"the server on {self.model.name} exited (code {code}) during this test"
+        return died, f"{died}:\n{self.why()}\n(its log: {self.log_path})"
 
     def note_failure(self, nodeid: str, error: BaseException) -> bool:
         """A test on this server failed with ``error``: if it waited in vain for an answer, remember
