@@ -136,10 +136,11 @@ def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         # What a server said is in its log, not in the test's traceback (a connection error, a 500):
         # a server that died during the test says so first, any other points at its log.
-        for server in servers_of(item):
+        servers = servers_of(item)
+        for server in servers:
             died, note = server.failure_note()
             say_with(report, "the server", note, headline=died)
-        waited = [server.note_failure(item.nodeid, call.excinfo.value) for server in servers_of(item)]
+        waited = [server.note_failure(item.nodeid, call.excinfo.value) for server in servers]
         if any(waited):
             say_with(
                 report,

@@ -57,6 +57,17 @@ def learner_run(
     return done.stdout
 
 
+def reference_with(tmp_path: Path, file: str, old: str, new: str) -> Path:
+    """A stages folder holding the reference code with ``old`` replaced by ``new`` in ``file``."""
+    stages = tmp_path / "stages"
+    shutil.copytree(REPO / "solutions", stages, ignore=shutil.ignore_patterns("__pycache__", "s00_foundation"))
+    path = stages / file
+    code = path.read_text()
+    assert code.count(old) == 1, f"{file} no longer holds {old!r} once"
+    path.write_text(code.replace(old, new))
+    return stages
+
+
 def test_an_unwritten_exercise_names_its_file_line_and_function():
     out = learner_run("tests/stage04/test_allocator.py", reference_upto=3)
     assert "not written yet: stages/s04_paged_kv_pool/allocator.py:" in out, out[-3000:]
@@ -102,12 +113,7 @@ def test_a_stuck_test_is_announced_fails_and_the_next_one_there_fails_sooner(tmp
     """A loop that never ends (here: a lock that never walks up to the root) is announced at its
     mark, stops its test at the timeout, with the line of the learner's code it was running, and
     the next test stuck in the same function stops at its own mark (tests/stuck_watch.py)."""
-    stages = tmp_path / "stages"
-    shutil.copytree(REPO / "solutions", stages, ignore=shutil.ignore_patterns("__pycache__", "s00_foundation"))
-    radix = stages / "s06_radix_cache" / "radix_cache.py"
-    code = radix.read_text()
-    assert code.count("            node = node.parent\n") == 1
-    radix.write_text(code.replace("            node = node.parent\n", ""))
+    stages = reference_with(tmp_path, "s06_radix_cache/radix_cache.py", "            node = node.parent\n", "")
     first = "tests/stage06/test_radix_tree.py::test_locked_nodes_survive_eviction_and_lru_goes_first"
     second = "tests/stage06/test_radix_tree.py::test_an_unlock_without_a_matching_lock_raises_and_changes_nothing"
     out = learner_run(first, second, "--durations=0", stages_dir=stages, test_timeout_s=10, still_running_s=2)
@@ -122,22 +128,16 @@ def test_a_stuck_test_is_announced_fails_and_the_next_one_there_fails_sooner(tmp
     )
 
 
-def stage_9_with(tmp_path: Path, old: str, new: str) -> Path:
-    """A stages folder holding the reference with one change in stage 9's scheduler."""
-    stages = tmp_path / "stages"
-    shutil.copytree(REPO / "solutions", stages, ignore=shutil.ignore_patterns("__pycache__", "s00_foundation"))
-    scheduler = stages / "s09_zmq_serving" / "scheduler_process.py"
-    code = scheduler.read_text()
-    assert code.count(old) == 1, f"stage 9's scheduler no longer holds {old!r}"
-    scheduler.write_text(code.replace(old, new))
-    return stages
-
-
 def test_a_server_that_dies_during_a_test_says_so_first_with_its_error(tmp_path):
     """A scheduler that raises ends the server; openai's client says only 'Connection error' or a
     500. The failure's summary line starts with the server's exit, and the report shows the
     server's error lines."""
-    stages = stage_9_with(tmp_path, "self.send_outputs(self.run_batch())\n", "self.send_outputs(self.run_batch(), 1)\n")
+    stages = reference_with(
+        tmp_path,
+        "s09_zmq_serving/scheduler_process.py",
+        "self.send_outputs(self.run_batch())\n",
+        "self.send_outputs(self.run_batch(), 1)\n",
+    )
     test = "tests/stage09/test_serving_openai.py::test_models_lists_the_served_model"
     out = learner_run(test, stages_dir=stages, columns=400)
     assert f"FAILED {test} - the server on llama exited (code 1) during this test: " in out, out[-3000:]
@@ -148,8 +148,9 @@ def test_a_server_that_dies_during_a_test_says_so_first_with_its_error(tmp_path)
 def test_a_failure_on_a_live_server_keeps_its_message_and_names_the_servers_log(tmp_path):
     """The server's log is named after the traceback; the summary line still says what failed
     (a note put in place of pytest's report left that line with the note instead)."""
-    stages = stage_9_with(
+    stages = reference_with(
         tmp_path,
+        "s09_zmq_serving/scheduler_process.py",
         "self.send_to_detokenizer.send_pyobj(ErrorOut.refused(req.rid, error))",
         "self.send_to_detokenizer.send_pyobj(ErrorOut(req.rid, str(error), 400))",
     )
