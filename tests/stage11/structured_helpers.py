@@ -10,6 +10,7 @@ import jsonschema
 
 from invariants import check_all
 from reference import engine_model, engine_tokenizer
+from s02_request_and_sampling.sampling_params import SamplingParams
 from s11_structured_output.engine import Engine
 from s11_structured_output.sampling_params import StructuredSamplingParams
 
@@ -106,3 +107,22 @@ def assert_follows(text: str, finish_reason, kind: str, spec, what: str) -> None
         jsonschema.validate(value, spec)
     except jsonschema.ValidationError as error:
         raise AssertionError(f"{what}: {text!r} does not validate: {error.message}") from None
+
+
+def mixed_workload():
+    """Every schema and regex, greedy and seeded, between free requests: prompts, params and, per
+    request, (kind, grammar, name) or None for a free one."""
+    prompts, params, specs = [], [], []
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        prompts.append([40 + i, 50, 60 + i])
+        params.append(constrained("json", schema, **({} if i % 2 else {"temperature": 0.9, "seed": i})))
+        specs.append(("json", schema, name))
+    for i, regex in enumerate(REGEXES):
+        prompts.append([70 + i, 33])
+        params.append(constrained("regex", regex, **({"temperature": 1.0, "seed": 7 + i} if i % 2 else {})))
+        specs.append(("regex", regex, regex))
+    for i in range(3):
+        prompts.insert(2 * i + 1, [90 + i, 91, 92])
+        params.insert(2 * i + 1, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+        specs.insert(2 * i + 1, None)
+    return prompts, params, specs

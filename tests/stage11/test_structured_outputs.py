@@ -24,7 +24,15 @@ from s02_request_and_sampling.sampling_params import SamplingParams
 from s11_structured_output.grammar_backend import GrammarBackend
 from s11_structured_output.sampling_params import GrammarKey, canonical_schema
 from s11_structured_output.vocab_mask import apply_token_bitmask
-from structured_helpers import REGEXES, SCHEMAS, assert_follows, check_every_step, constrained, engine_on
+from structured_helpers import (
+    REGEXES,
+    SCHEMAS,
+    assert_follows,
+    check_every_step,
+    constrained,
+    engine_on,
+    mixed_workload,
+)
 
 
 def test_the_bitmask_masks_exactly_the_forbidden_tokens():
@@ -44,24 +52,6 @@ def test_the_bitmask_masks_exactly_the_forbidden_tokens():
     )
 
 
-def workload():
-    """Every schema and regex, greedy and seeded, between free requests."""
-    prompts, params, specs = [], [], []
-    for i, (name, schema) in enumerate(SCHEMAS.items()):
-        prompts.append([40 + i, 50, 60 + i])
-        params.append(constrained("json", schema, **({} if i % 2 else {"temperature": 0.9, "seed": i})))
-        specs.append(("json", schema, name))
-    for i, regex in enumerate(REGEXES):
-        prompts.append([70 + i, 33])
-        params.append(constrained("regex", regex, **({"temperature": 1.0, "seed": 7 + i} if i % 2 else {})))
-        specs.append(("regex", regex, regex))
-    for i in range(3):
-        prompts.insert(2 * i + 1, [90 + i, 91, 92])
-        params.insert(2 * i + 1, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
-        specs.insert(2 * i + 1, None)
-    return prompts, params, specs
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_models_root):
     return tiny_models_root / "llama"
@@ -70,7 +60,7 @@ def tiny_llama(tiny_models_root):
 @pytest.fixture(scope="module")
 def outputs_by_mode(tiny_llama):
     """The workload run on one engine per loop (overlap on, then off)."""
-    prompts, params, specs = workload()
+    prompts, params, specs = mixed_workload()
     results = {}
     for disable_overlap in (False, True):
         engine = engine_on(tiny_llama, disable_overlap=disable_overlap, pool_size=2048)
@@ -188,7 +178,7 @@ def test_greedy_tokens_equal_transformers_with_the_same_grammar(outputs_by_mode,
 
 
 def test_retraction_rolls_the_grammar_back_and_changes_nothing(outputs_by_mode, tiny_llama):
-    prompts, params, _ = workload()
+    prompts, params, _ = mixed_workload()
     engine = engine_on(tiny_llama, pool_size=72, max_running_requests=6, new_token_ratio=0.0)
     outputs = engine.generate(prompts, params)
     assert engine.scheduler.stats.num_retractions > 0, "the pool was meant to be too small: nothing was retracted"
