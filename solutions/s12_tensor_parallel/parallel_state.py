@@ -89,10 +89,13 @@ class TPGroup:
 
     def barrier(self) -> None:
         """Wait until every rank is here: the start's barrier, once each rank has built its runner
-        (on the control group, bounded by START_TIMEOUT rather than a forward's short timeout)."""
+        (on the control group, bounded by START_TIMEOUT rather than a forward's short timeout).
+        gloo's monitored barrier takes a timeout on every torch this course meets (plain
+        ``barrier`` has none on torch 2.11, the GPU image's), and rank 0's error names a rank that
+        never came."""
         if self.size > 1:
             with self.failing_clearly("barrier"):
-                dist.barrier(group=self.control_group, timeout=START_TIMEOUT)
+                dist.monitored_barrier(group=self.control_group, timeout=START_TIMEOUT)
 
     @contextmanager
     def failing_clearly(self, what: str) -> Iterator[None]:
