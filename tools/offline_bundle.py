@@ -84,6 +84,8 @@ GPU_RUN_PACKAGES_NO_DEPS = ("accelerate",)
 # The target's glibc when the first run did not say (Ubuntu 20.04's; llguidance's wheels need it).
 DEFAULT_TARGET_GLIBC = "2.31"
 MANIFEST = "manifest.json"
+# What pip says when the Python refuses installs (PEP 668), or is too old for the flag that overrides it
+PIP_REFUSALS = ("externally-managed-environment", "no such option: --break-system-packages")
 DEFAULT_STASH = Path(tempfile.gettempdir()) / "offline-bundle"
 TARGET_SITE = "site"  # STASH/site: where pip --target puts everything when the Python refuses installs
 CHUNK = 1 << 20
@@ -348,6 +350,8 @@ def install_wheels(files: Path, manifest: dict, target: Path, run=subprocess.run
     First into the running Python; if it refuses (PEP 668, or pip too old for the flag), again
     with --break-system-packages; if that fails too, every wheel with --no-deps into ``target``
     (pip --target resolves nothing against what is installed, so it takes the wheels as they are).
+    Any other failure stops here with pip's words: a dependency the bundle lacks ("No matching
+    distribution found") would otherwise go unnoticed under --no-deps until an import failed.
     """
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(files)]
     print(f"[..] pip install --no-index {' '.join(manifest['requirements'] + manifest['no_deps'])}", flush=True)
@@ -364,10 +368,13 @@ def install_wheels(files: Path, manifest: dict, target: Path, run=subprocess.run
                 break
         else:
             return where
-        print(
-            f"     refused {where}: {(done.stderr or done.stdout).strip().splitlines()[-1:] or ['(no output)']}",
-            flush=True,
-        )
+        said = (done.stderr or done.stdout).strip()
+        if not any(refusal in said for refusal in PIP_REFUSALS):
+            raise SystemExit(
+                f"error: pip could not install the bundle {where}:\n{said or '(no output)'}\n"
+                "(a package the bundle lacks: pack it again with the machine's results.json, README 'On a GPU')"
+            )
+        print(f"     refused {where}: {said.splitlines()[-1:]}", flush=True)
     wheels = sorted(str(path) for path in files.glob("*.whl"))
     result = run(
         [

