@@ -57,7 +57,7 @@ help:
 	@echo "                       (TEST_JOBS=2 processes at once, the default; TEST_JOBS=0: one)"
 	@echo "  make lint             ruff (lint + format check) and mypy on solutions/, stages/, tools/, tests/ (seconds)"
 	@echo "  make gpu-check OUT=DIR        on a GPU: stage 8's CUDA path checked model-free (REHEARSAL=1: on a CPU)"
-	@echo "  make gpu-check-full OUT=DIR   on a GPU, second run: default model, GPU tests, notebook 08"
+	@echo "  make gpu-check-full OUT=DIR   on a GPU, second run: default model, GPU tests, notebook 08 (REHEARSAL=1: on a CPU)"
 	@echo "  make test-gpu         both, with this repository's venv; fails without a CUDA GPU"
 	@echo "  make bench [QUICK=1]  offline benchmark: workloads a-d, engine vs transformers and vs its ceiling"
 	@echo "  make bench-peer       the same beside vLLM's CPU build (its own venv, .venv-peer; optional)"
@@ -162,13 +162,14 @@ test: setup lint
 # The GPU check, sized for a borrowed GPU (README: "On a GPU"). gpu-check needs only a Python with
 # torch (PY=python3 on a GPU image; no venv, no model); REHEARSAL=1 runs its steps on a CPU.
 # gpu-check-full is the second run: the default model (from tools/offline_bundle.py), the GPU tests
-# and notebook 08. Each writes its summary, results, JUnit and log into OUT.
+# and notebook 08 (REHEARSAL=1: on a CPU, the GPU tests skip). Each writes its summary, results,
+# JUnit and log into OUT.
 OUT ?= reports/gpu-check
 gpu-check:
 	$(PY_ANY) tools/gpu_check.py --out $(OUT) $(if $(REHEARSAL),--rehearsal) $(ARGS)
 
 gpu-check-full:
-	$(PY_ANY) tools/gpu_check.py --full --out $(OUT) $(ARGS)
+	$(PY_ANY) tools/gpu_check.py --full --out $(OUT) $(if $(REHEARSAL),--rehearsal) $(ARGS)
 
 # Both, on a machine with a GPU and this repository's venv.
 test-gpu: setup

@@ -5,6 +5,7 @@
 
 Each notebook runs in a fresh kernel from the notebooks/ folder (as nbval runs it in make test) and
 is saved with its outputs; commit the result. Keep OMP_NUM_THREADS=1 on a busy CPU machine.
+`--save-to DIR` saves the executed copies there instead and leaves the notebooks as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--timeout", type=int, default=900, help="seconds one cell may run")
+    parser.add_argument("--save-to", type=Path, default=None, help="save the executed notebooks here, not in place")
     args = parser.parse_args()
     for path in args.notebooks:
         start = time.perf_counter()
@@ -28,8 +30,9 @@ def main() -> None:
         NotebookClient(
             notebook, timeout=args.timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
         ).execute()
-        nbformat.write(notebook, path)
-        print(f"{path}: executed in {time.perf_counter() - start:.1f} s, outputs saved", flush=True)
+        saved = path if args.save_to is None else args.save_to / path.name
+        nbformat.write(notebook, saved)
+        print(f"{path}: executed in {time.perf_counter() - start:.1f} s, outputs saved in {saved}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python3 tools/gpu_check.py --out DIR               # on the GPU: model-free, ~5 minutes
     python3 tools/gpu_check.py --out DIR --rehearsal   # the same steps on a CPU (no capture: eager)
     python3 tools/gpu_check.py --out DIR --full        # second run: default model, GPU tests, notebook 08
+    python3 tools/gpu_check.py --out DIR --full --rehearsal   # its parts on a CPU (the GPU tests skip)
 
 It needs only a Python with torch (and, for --full, what tools/offline_bundle.py carries): no
 virtual env, no default model, nothing downloaded. The models are built from local configs with
@@ -67,9 +68,9 @@ STEPS = [
 # suite, the longest part, comes last: a slow one cannot starve the notebook or the benchmark.
 FULL_PARTS = [
     Step("default-model", 120, "convert the default model (tools/setup_model.py)"),
-    Step("notebook-08", 150, "notebook 08 re-executed on the GPU (saved in place and copied here)"),
+    Step("notebook-08", 150, "notebook 08 re-executed (on a GPU: saved in place, and copied here)"),
     Step("benchmark-offline", 120, "stage 8 offline throughput vs transformers, --quick"),
-    Step("gpu-tests", 330, "the GPU test suite (pytest tests/gpu, ENGINE_REQUIRE_GPU=1)"),
+    Step("gpu-tests", 330, "the GPU test suite (pytest tests/gpu; on a GPU, ENGINE_REQUIRE_GPU=1)"),
 ]
 TOTAL_BUDGET = 400  # seconds: a step never gets more than what is left of this
 # The second run shares its call (10 minutes at most) with installing the bundle's last load, so
@@ -252,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
             f"no CUDA GPU (torch {torch.__version__} sees none): on a CPU run the rehearsal (--rehearsal, "
             "make gpu-check REHEARSAL=1)"
         )
-    if args.full and args.rehearsal:
-        parser.error("--full needs a GPU (it runs the GPU test suite); the rehearsal covers the first run")
     steps = FULL_PARTS if args.full else STEPS
     if args.steps:
         wanted = args.steps.split(",")
@@ -271,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = environment(args.rehearsal)
-    kind = "second run (--full)" if args.full else ("CPU rehearsal" if args.rehearsal else "GPU run")
+    kind = "second run (--full)" if args.full else "GPU run"
+    if args.rehearsal:
+        kind = "CPU rehearsal" + " of the second run (--full)" * args.full
     title = f"gpu-check, {kind}, {time.strftime('%Y-%m-%d %H:%M:%S')}"
     print(title, *environment_lines(env), sep="\n", flush=True)
     results, deadline = [], time.monotonic() + (FULL_BUDGET if args.full else TOTAL_BUDGET)
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.full:
                 import gpu_check_full
 
-                argv_step, env_vars = gpu_check_full.command(step.name, out, result_file)
+                argv_step, env_vars = gpu_check_full.command(step.name, out, result_file, args.rehearsal)
             else:
                 argv_step = [
                     sys.executable,
@@ -303,18 +304,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result['status']:7s} {step.name} ({result['seconds']:.1f} s)", flush=True)
     (out / "results.json").write_text(json.dumps({"title": title, "environment": env, "steps": results}, indent=1))
     (out / "junit.xml").write_text(junit(results, "gpu_check_full" if args.full else "gpu_check"))
-    verdict = write_summary(out, title, env, results, HOW_TO_READ if not args.full else gpu_check_full_how_to_read())
+    how_to_read = gpu_check_full_how_to_read(args.rehearsal) if args.full else HOW_TO_READ
+    verdict = write_summary(out, title, env, results, how_to_read)
     print(
         f"\n{verdict}: {out / 'summary.txt'} (and results.json, junit.xml, log.txt"
         f"{', the GPU tests, notebook 08' if args.full else ''})"
     )
-    print(HOW_TO_READ if not args.full else gpu_check_full_how_to_read())
+    print(how_to_read)
     return 0 if verdict == "PASS" else 1
 
 
-def gpu_check_full_how_to_read() -> str:
+def gpu_check_full_how_to_read(rehearsal: bool) -> str:
     import gpu_check_full
 
+    if rehearsal:
+        return (
+            gpu_check_full.HOW_TO_READ
+            + "\n  - this was a CPU rehearsal: no figure here is a GPU's; commit nothing from it."
+        )
     return gpu_check_full.HOW_TO_READ
 
 

@@ -55,3 +55,38 @@ def test_a_step_past_its_timeout_is_killed_and_reported(tmp_path):
     assert done.returncode == 1, summary
     assert "TIMEOUT graphs-float32" in summary and "overall: FAIL (0 of 1 steps passed)" in summary, summary
     assert 'name="(step)"><failure' in (tmp_path / "junit.xml").read_text()
+
+
+def test_the_second_runs_rehearsal_imports_every_gpu_test_and_leaves_what_it_brings_back(tmp_path):
+    """`--full --rehearsal`: the parts run on a CPU; the GPU tests are collected (an import the GPU
+    image would lack fails here) and skip, and the summary says nothing here is a GPU's."""
+    done = rehearse(tmp_path, "--full", "--steps", "default-model,gpu-tests")
+    summary = (tmp_path / "summary.txt").read_text()
+    assert done.returncode == 0, f"the second run's rehearsal failed:\n{summary}\n{done.stdout[-3000:]}"
+    assert "PASS    default-model " in summary and "PASS    gpu-tests " in summary, summary
+    assert "0 failed, 0 errors" in summary and "a rehearsal: no GPU, every file imported" in summary, summary
+    assert "commit nothing from it" in summary, summary
+    report = (tmp_path / "gpu_tests.xml").read_text()
+    assert report.count("<testcase") >= 40 and "<skipped" in report, "the GPU tests were not collected"
+
+
+def test_a_notebook_saved_elsewhere_is_left_as_it_was(tmp_path):
+    """What the second run's rehearsal relies on for notebook 08 (its CPU figures must never replace
+    the committed GPU ones): execute_notebooks.py --save-to writes the executed copy only there."""
+    import nbformat
+
+    source = tmp_path / "nb.ipynb"
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nbformat.write(notebook, source)
+    before = source.read_text()
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "execute_notebooks.py"), str(source), "--save-to", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert source.read_text() == before, "the notebook itself was rewritten"
+    outputs = nbformat.read(tmp_path / "out" / "nb.ipynb", as_version=4).cells[0].outputs
+    assert outputs and outputs[0]["text"] == "42\n", outputs
