@@ -69,7 +69,9 @@ STEPS = [
 FULL_PARTS = [
     Step("default-model", 120, "convert the default model (tools/setup_model.py)"),
     Step("notebook-08", 150, "notebook 08 re-executed (on a GPU: saved in place, and copied here)"),
-    Step("benchmark-offline", 120, "stage 8 offline throughput vs transformers, --quick"),
+    Step(
+        "benchmark-offline", 120, "stage 8 offline throughput vs transformers, --quick; what logprobs, penalties cost"
+    ),
     Step("gpu-tests", 330, "the GPU test suite (pytest tests/gpu; on a GPU, ENGINE_REQUIRE_GPU=1)"),
 ]
 TOTAL_BUDGET = 400  # seconds: a step never gets more than what is left of this

@@ -6,7 +6,8 @@ PART OUT RESULT`` under its own timeout and writes what it made into OUT:
 
     default-model      tools/setup_model.py: the GGUF of the bundle -> models/SmolLM2-135M-Instruct
     notebook-08        notebook 08 executed in place (its figures are this GPU's) -> 08_cuda_graph.ipynb
-    benchmark-offline  stage 8 vs transformers on workload (a), --quick -> benchmark_offline.json
+    benchmark-offline  stage 8 vs transformers on workload (a), --quick, and what logprobs and penalties cost
+                       -> benchmark_offline.json
     gpu-tests          pytest tests/gpu (a missing GPU fails) -> gpu_tests.xml, output in log.txt
 
 With everything gpu_check.py writes, OUT holds 7 files: what a GPU machine's output folder
@@ -112,6 +113,11 @@ def benchmark_offline(out: Path, result: Path, rehearsal: bool) -> int:
             "--quick",
             "--time-limit",
             "60",
+            # the engine twice more, asking for logprobs and penalised: what the options (and the host
+            # syncs they add per step, which a CPU cannot show) cost on a GPU
+            "--logprobs",
+            "5",
+            "--penalties",
             "--json",
             str(report),
         ]
