@@ -33,6 +33,12 @@ from stage10.overlap_helpers import random_prompt
 from stage11.structured_helpers import REGEXES, SCHEMAS, assert_follows, constrained, mixed_workload
 
 GRAPHS = dict(disable_cuda_graph=False, cuda_graph_max_bs=8)
+# chunked: prompts in chunks beside decodes (MIXED passes); small-pool: retraction too, so every
+# option's state (penalty counts, a grammar, logprobs) must survive a request put back and resumed
+KNOBS = {
+    "chunked": dict(pool_size=2048, chunked_prefill_size=8),
+    "small-pool": dict(pool_size=64, max_running_requests=6, new_token_ratio=0.0, chunked_prefill_size=5),
+}
 
 
 def sampled_params() -> list[SamplingParams]:
@@ -48,24 +54,31 @@ def graph_replays(engine: Engine) -> int:
     return engine.runner.forward_paths.get("graph", 0)
 
 
+@pytest.mark.parametrize("knobs", list(KNOBS))
 @pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
-def test_float32_request_options_on_cuda_equal_the_cpu(cuda_device, tiny_models_root, disable_overlap):
+def test_float32_request_options_on_cuda_equal_the_cpu(cuda_device, tiny_models_root, disable_overlap, knobs):
     path = tiny_models_root / "qwen3"  # grouped KV heads and q/k norms: the most the tiny families hold
     model = load_model(path, device=cuda_device, dtype=torch.float32)
-    engine = Engine(model, engine_tokenizer(str(path)), pool_size=2048, disable_overlap=disable_overlap, **GRAPHS)
-    what = f"qwen3 on CUDA, float32, {'no ' if disable_overlap else ''}overlap"
+    tokenizer = engine_tokenizer(str(path))
+    engine = Engine(model, tokenizer, disable_overlap=disable_overlap, **GRAPHS, **KNOBS[knobs])
+    what = f"qwen3 on CUDA, float32, {knobs}, {'no ' if disable_overlap else ''}overlap"
 
     params = penalised_params() + sampled_params()
     prompts = [random_prompt(3 + 4 * i, seed=70 + i) for i in range(len(params))]
     outputs = engine.generate(prompts, params)
     assert graph_replays(engine) > 0, f"{what}: no decode replayed a graph: {engine.runner.forward_paths}"
+    if knobs == "small-pool":
+        assert engine.scheduler.stats.num_retractions > 0, f"{what}: the pool was meant to be too small"
     assert_penalties_like_stage3(path, prompts, params, outputs, what)  # stage 3 on the CPU
     for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs)):
         if p.logprobs is not None:
             assert_logprobs_match(path, prompt, out, p.logprobs, f"{what}: request {i}")
+    engine.scheduler.check_invariants()
+    if knobs == "small-pool":  # (its 64 slots cannot hold the scored prompts beside each other)
+        return
 
-    # The prompts' rows come out of the extend, never out of a graph; run twice, the second time
-    # with the shared prefix in the radix tree.
+    # The prompts' rows come out of the extends, in chunks, never out of a graph; run twice, the
+    # second time with the shared prefix in the radix tree.
     for run in ("first run", "again, prompts cached"):
         scored = engine.generate(SCORED_PROMPTS, prompt_logprob_params())
         assert_prompt_logprobs_case(path, scored, f"{what}, prompt_logprobs, {run}")
