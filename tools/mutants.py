@@ -357,8 +357,8 @@ MUTANTS: list[Mutant] = [
         "s02_request_and_sampling/sampler.py",
         "each row is filtered by its own request's top_k",
         edit(
-            "keep &= top_k_mask(probs, torch.tensor([p.top_k for p in params], device=device))",
-            "keep &= top_k_mask(probs, torch.tensor([params[0].top_k] * len(params), device=device))",
+            "keep &= top_k_mask(probs, host_to_device([p.top_k for p in params], device))",
+            "keep &= top_k_mask(probs, host_to_device([params[0].top_k] * len(params), device))",
         ),
         r"own kept tokens",
     ),

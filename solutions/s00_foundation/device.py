@@ -108,8 +108,11 @@ def describe(device: torch.device | str) -> str:
     return f"cpu ({threads} torch thread{'s' if threads != 1 else ''}, {physical_cores()} physical cores)"
 
 
-def host_to_device(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """An int64 tensor of ``values`` on ``device``, without making the host wait for the GPU.
+def host_to_device(
+    values: Sequence[float] | Sequence[bool] | torch.Tensor, device: torch.device | str, dtype=torch.int64
+) -> torch.Tensor:
+    """A ``dtype`` tensor of ``values`` (numbers, or a tensor on the CPU) on ``device``, without
+    making the host wait for the GPU.
 
     ``torch.tensor(values, device="cuda")`` copies from ordinary (pageable) host memory, which
     CUDA can only do synchronously: the host stops until every kernel already queued has run.
@@ -117,7 +120,7 @@ def host_to_device(values: Sequence[int], device: torch.device | str) -> torch.T
     a kernel and the host goes on preparing the next step. (torch keeps the pinned buffer alive
     until the copy has run.) On a CPU it is simply the tensor.
     """
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

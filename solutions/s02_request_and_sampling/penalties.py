@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from s00_foundation.device import host_to_device
+
 if TYPE_CHECKING:  # only types: req.py imports this module
     from .req import Req
 
@@ -90,7 +92,7 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         return logits
     states = [penalty_state(reqs[i], logits) for i in rows]
     params = [reqs[i].sampling_params for i in rows]
-    device = logits.device
+    device = logits.device  # per-row values reach it by host_to_device: on a GPU, without a host wait
     # BEGIN EXERCISE: repetition (prompt, output), frequency and presence (output), the bias, min_new_tokens' ban
     # [#penalties-what-the-request-already-said]
     out = logits.to(torch.float32, copy=True)  # a copy: the caller's logits stay the model's own
@@ -102,12 +104,12 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         counts = torch.stack([s.output_counts for s in states])
         in_output = counts > 0
     if repetition:
-        r = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        r = host_to_device([p.repetition_penalty for p in params], device, torch.float32)[:, None]
         seen = in_output | _stack([s.in_prompt for s in states], like=in_output[0])
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     if additive:
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        frequency = host_to_device([p.frequency_penalty for p in params], device, torch.float32)[:, None]
+        presence = host_to_device([p.presence_penalty for p in params], device, torch.float32)[:, None]
         x = x - frequency * counts - presence * in_output
     if any(s.bias is not None for s in states):
         x = x + _stack([s.bias for s in states], like=x[0])

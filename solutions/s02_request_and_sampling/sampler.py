@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from s00_foundation.device import host_to_device
+
 from .penalties import apply_penalties, count_sampled
 from .req import Req
 
@@ -92,18 +94,20 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         return argmax  # the fast path: no softmax, no randomness
 
     device = logits.device
+    # Each per-row setting goes to the device with host_to_device (s00 device.py): on a GPU,
+    # torch.tensor(..., device=device) would stop the host until the forward has run, every time.
     # Greedy rows get temperature 1 here only to keep the arithmetic finite; their sampled
     # token is replaced by the argmax at the end.
-    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    temperature = host_to_device([1.0 if p.is_greedy else p.temperature for p in params], device, torch.float32)
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
 
     keep = torch.ones_like(probs, dtype=torch.bool)
     if any(p.top_k != -1 for p in params):
-        keep &= top_k_mask(probs, torch.tensor([p.top_k for p in params], device=device))
+        keep &= top_k_mask(probs, host_to_device([p.top_k for p in params], device))
     if any(p.top_p < 1 for p in params):
-        keep &= top_p_mask(probs, torch.tensor([p.top_p for p in params], device=device))
+        keep &= top_p_mask(probs, host_to_device([p.top_p for p in params], device, torch.float32))
     if any(p.min_p > 0 for p in params):
-        keep &= min_p_mask(probs, torch.tensor([p.min_p for p in params], device=device))
+        keep &= min_p_mask(probs, host_to_device([p.min_p for p in params], device, torch.float32))
     probs = probs * keep
 
     # Inverse-CDF sampling: one uniform number u in [0, 1) per row, from the request's own
@@ -119,9 +123,9 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         ]
     )
     cdf = probs.double().cumsum(dim=-1)
-    target = u.to(device=device, dtype=torch.float64)[:, None] * cdf[:, -1:]
+    target = host_to_device(u, device, torch.float64)[:, None] * cdf[:, -1:]
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return torch.where(torch.tensor(greedy, device=device), argmax, sampled)
+    return torch.where(host_to_device(greedy, device, torch.bool), argmax, sampled)
     # END EXERCISE
 
 

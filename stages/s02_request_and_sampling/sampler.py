@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from s00_foundation.device import host_to_device  # noqa: F401
+
 from .penalties import apply_penalties, count_sampled
 from .req import Req
 

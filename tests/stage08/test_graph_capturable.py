@@ -60,11 +60,9 @@ HOST_READS_PER_DECODE_STEP = [
 ]
 COPIES_PER_DECODE_STEP = [
     # Both from pinned memory with non_blocking=True (s00 device.host_to_device): queued, not waited for.
-    ("torch.tensor(...)", "s00_foundation/device.py in host_to_device"),  # token ids, positions and table rows, in one
-    (
-        "torch.tensor(...)",
-        "s00_foundation/device.py in host_to_device",
-    ),  # the new tokens' slots (the allocator's out_cache_loc)
+    # The token ids, positions and table rows in one; the new tokens' slots (the allocator's out_cache_loc).
+    ("torch.as_tensor(...)", "s00_foundation/device.py in host_to_device"),
+    ("torch.as_tensor(...)", "s00_foundation/device.py in host_to_device"),
 ]
 
 
