@@ -296,8 +296,8 @@ MUTANTS: list[Mutant] = [
         "s02_request_and_sampling/logprobs.py",
         "each row gets the number of alternatives IT asked for (the batch's largest k is only what topk computes)",
         edit(
-            "tuple(zip(top_ids[j][:k_i], top_values[j][:k_i]))",
-            "tuple(zip(top_ids[j], top_values[j]))",
+            "tuple(zip(map(int, top[:k_i]), top[k : k + k_i]))",
+            "tuple(zip(map(int, top[:k]), top[k:]))",
         ),
         r"logprobs=0|likeliest",
     ),

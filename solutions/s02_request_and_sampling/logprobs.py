@@ -64,10 +64,12 @@ def logprob_entries(
     k = max(top_ks[i] for i in rows)
     top_values, top_ids = x.topk(k, dim=-1)
     top_values = top_values - norm[:, None]
-    # to the host once, as lists (on a GPU, each .item() would wait for the device again)
-    values, top_values, top_ids, sampled = chosen.tolist(), top_values.tolist(), top_ids.tolist(), ids.tolist()
-    for j, i in enumerate(rows):
+    # To the host in ONE read (on a GPU every read waits for the device): per row the token's id and
+    # log-probability, the k likeliest ids, their log-probabilities; float64 holds each id and each
+    # float32 value exactly.
+    table = torch.cat([ids[:, None].double(), chosen[:, None].double(), top_ids.double(), top_values.double()], 1)
+    for i, (token, value, *top) in zip(rows, table.tolist()):
         k_i = top_ks[i]
-        out[i] = TokenLogprob(sampled[j], values[j], tuple(zip(top_ids[j][:k_i], top_values[j][:k_i])))
+        out[i] = TokenLogprob(int(token), value, tuple(zip(map(int, top[:k_i]), top[k : k + k_i])))
     return out
     # END EXERCISE

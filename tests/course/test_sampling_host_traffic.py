@@ -32,10 +32,9 @@ OPTIONS = [
     ),
 ]
 READS = [
-    # the sampled tokens (every step), then logprobs' four lists: the first waits for the device,
-    # the other three copy what is already there
+    # the sampled tokens (every step), then the logprobs of the rows that asked, in one table
     ("Tensor.tolist()", "s02_request_and_sampling/engine.py in append_sampled"),
-    *[("Tensor.tolist()", "s02_request_and_sampling/logprobs.py in logprob_entries")] * 4,
+    ("Tensor.tolist()", "s02_request_and_sampling/logprobs.py in logprob_entries"),
 ]
 # ForwardBatch's inputs and the allocator's slots (2), the sampler's temperature, top-k, top-p,
 # min-p, uniform draws and greedy rows (6), the penalties' r, f and p (3); and the sampled ids
