@@ -15,7 +15,8 @@ time of the steps after it), in float32 and bfloat16:
     graphs-*      capture at start (time, memory), graph vs eager logits for every bucket
                   (bfloat16: each against a float32 twin), earlier graphs replayed after later
                   ones, padded rows write only the dummy slot
-    engine-*      a stage-8 engine's tokens with graphs equal those without
+    engine-*      a stage-8 engine's tokens with graphs equal those without (float32: with every
+                  sampling option too, and their logprobs)
     sdpa-kernel   which SDPA kernel the graph decode selects, and which others would run;
                   attention at new lengths costs what repeated ones do (no plan per shape);
                   measured for later choices: cuDNN's attention inside a graph, GQA by kernel
@@ -58,7 +59,7 @@ class Step:
 STEPS = [
     Step("graphs-float32", 90, "capture at start, graph vs eager logits per bucket, replays, dummy slot (float32)"),
     Step("graphs-bfloat16", 120, "the same in bfloat16, graph and eager each against a float32 twin"),
-    Step("engine-float32", 45, "a stage-8 engine's tokens, graphs vs no graphs (float32: identical)"),
+    Step("engine-float32", 45, "a stage-8 engine's tokens, graphs vs no graphs (float32: identical), options too"),
     Step("engine-bfloat16", 45, "the same in bfloat16 (a difference only where eager's top two logits tie)"),
     Step("sdpa-kernel", 45, "the SDPA kernel the graph decode selects; which others accept its shapes; new lengths"),
     Step("decode-latency", 110, "decode step latency: stage 4's loop, batched eager, graph; batch 1, 8, 32, 64"),

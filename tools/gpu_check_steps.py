@@ -321,11 +321,13 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
         cuda_graph_max_bs=max_bs,
         cuda_graph_max_kv_len=max_kv,
     )
+    engines: list[Engine] = []
     with ctx.check(f"{label}: engine tokens with graphs = without") as record:
         with_graphs = Engine(model, None, disable_cuda_graph=False, **knobs)
         got = [o.output_ids for o in with_graphs.generate(prompts, params)]
         without = Engine(model, None, disable_cuda_graph=True, **knobs)
         expected = [o.output_ids for o in without.generate(prompts, params)]
+        engines += [with_graphs, without]
         paths = dict(with_graphs.runner.forward_paths)
         assert paths.get("graph", 0) > 0, f"no decode took the graph path: {paths}"
         same = sum(a == b for a, b in zip(got, expected))
@@ -348,6 +350,41 @@ def step_engine(ctx: Checks, dtype: torch.dtype) -> None:
                 "FAIL",
                 record["detail"] + f"; differ beyond rounding: {', '.join(problems[:4])}",
             )
+    if dtype == torch.float32 and engines:  # (in bfloat16 graph and eager part at near-ties, as above)
+        engine_options(ctx, label, engines, prompts, limits)
+
+
+def engine_options(ctx: Checks, label: str, engines: list[Engine], prompts, limits) -> None:
+    """The same requests, on the same two engines (no second capture), with every sampling option
+    but grammars: seeded top-k / top-p / min-p, penalties, logit_bias, logprobs. Each reaches the
+    logits beside the graph (the sampler, the penalty counts on the device, the logprob table), so
+    the first run checks them on CUDA even if the second run (tests/gpu) never comes."""
+    options: list[dict[str, Any]] = [
+        dict(temperature=0.8, seed=1, top_k=40, logprobs=3),
+        dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=1),
+        dict(temperature=1.0, seed=2, top_p=0.9, min_p=0.05, presence_penalty=0.5),
+        dict(temperature=0, logit_bias={7: 5.0, 11: -100.0}, logprobs=0),
+    ]
+    params = [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, **options[i % len(options)]) for i, n in enumerate(limits)
+    ]
+    with ctx.check(f"{label}: every sampling option, tokens and logprobs with graphs = without") as record:
+        with_graphs, without = (engine.generate(prompts, params) for engine in engines)
+        same = sum(a.output_ids == b.output_ids for a, b in zip(with_graphs, without))
+        gaps = [
+            abs(x.logprob - y.logprob)
+            for a, b in zip(with_graphs, without)
+            if a.output_ids == b.output_ids and a.logprobs is not None
+            for x, y in zip(a.logprobs, b.logprobs)
+        ]
+        banned = sum(11 in out.output_ids for out in with_graphs[3 :: len(options)])
+        record["data"] = {"identical": same, "requests": len(prompts), "largest_logprob_gap": max(gaps, default=0.0)}
+        record["detail"] = (
+            f"{same}/{len(prompts)} requests identical; logprobs within {max(gaps, default=0.0):.2e} of eager"
+        )
+        assert same == len(prompts) and max(gaps, default=0.0) < 1e-3 and not banned, (
+            f"{record['detail']}; a banned token came {banned} times"
+        )
 
 
 # --- stage 10: the overlapped engine on its forward stream ---------------------------------------
