@@ -33,8 +33,9 @@ from stage10.overlap_helpers import random_prompt
 from stage11.structured_helpers import REGEXES, SCHEMAS, assert_follows, constrained, mixed_workload
 
 GRAPHS = dict(disable_cuda_graph=False, cuda_graph_max_bs=8)
-# chunked: prompts in chunks beside decodes (MIXED passes); small-pool: retraction too, so every
-# option's state (penalty counts, a grammar, logprobs) must survive a request put back and resumed
+# chunked: prompts in chunks beside decodes (MIXED passes); small-pool: retraction too, so each
+# request's sampling state (penalty counts, seeded generator, min_new_tokens' count) must survive
+# being put back and resumed
 KNOBS = {
     "chunked": dict(pool_size=2048, chunked_prefill_size=8),
     "small-pool": dict(pool_size=64, max_running_requests=6, new_token_ratio=0.0, chunked_prefill_size=5),
