@@ -377,7 +377,12 @@ def engine_options(ctx: Checks, label: str, engines: list[Engine], prompts, limi
             if a.output_ids == b.output_ids and a.logprobs is not None
             for x, y in zip(a.logprobs, b.logprobs)
         ]
-        banned = sum(11 in out.output_ids for out in with_graphs[3 :: len(options)])
+        banned = sum(
+            token in out.output_ids
+            for out, p in zip(with_graphs, params)
+            for token, bias in p.logit_bias.items()
+            if bias == -100
+        )
         record["data"] = {"identical": same, "requests": len(prompts), "largest_logprob_gap": max(gaps, default=0.0)}
         record["detail"] = (
             f"{same}/{len(prompts)} requests identical; logprobs within {max(gaps, default=0.0):.2e} of eager"
