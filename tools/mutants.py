@@ -894,6 +894,37 @@ MUTANTS: list[Mutant] = [
         ),
         r"fill the budget exactly",
     ),
+    Mutant(
+        "s05-room-off-by-one",
+        "s05_continuous_batching/scheduler.py",
+        "a request whose need is exactly the room left is admitted",
+        edit(
+            "            if need > room and not (first_alone and prefill_slots <= room):\n",
+            "            if need >= room and not (first_alone and prefill_slots <= room):\n",
+        ),
+        r"need <= room",
+    ),
+    Mutant(
+        "s05-device-len-not-set",
+        "s05_continuous_batching/scheduler.py",
+        "admission sets device_len to the end of the pass it gives a new request (stage 7 cuts it short)",
+        edit(
+            "            req.device_len = end  # this pass computes fill_ids[cached_len:end] "
+            "(all of them, before stage 7)\n",
+            "",
+        ),
+        r"sets req.device_len",
+    ),
+    Mutant(
+        "s05-prefill-not-from-prefill-len",
+        "s05_continuous_batching/scheduler.py",
+        "a new request's first pass is what prefill_len gives it (stage 7 cuts long prompts), not its whole prompt",
+        edit(
+            "            extend_len = self.prefill_len(req, match.cached_len, budget)\n",
+            "            extend_len = len(req.fill_ids) - match.cached_len\n",
+        ),
+        r"prefill_len gives it",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(
         "s06-evict-a-parent-with-children",

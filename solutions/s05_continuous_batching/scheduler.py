@@ -177,9 +177,12 @@ class Scheduler:
         return sum(slots_to_extend(req, self.page_size) for req in reqs)
 
     def future_slots(self, req: Req) -> int:
-        """Slots kept back for what ``req`` may still generate after its next pass (which ends at
-        device_len): ``new_token_ratio`` of its remaining max_new_tokens, in the whole pages those
-        positions take. Counted in pages, a ratio of 1 keeps back exactly what it will use."""
+        """Slots kept back for what ``req`` may still generate after its next pass:
+        ``new_token_ratio`` of its remaining max_new_tokens, in the whole pages those positions
+        take past device_len (a running request's next pass ends there; a waiting request's
+        device_len is the end of its fill_ids, where its new tokens start even when stage 7
+        computes its prompt in chunks). Counted in pages, a ratio of 1 keeps back exactly what it
+        will use."""
         remaining = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
         tokens = math.ceil(self.new_token_ratio * max(remaining, 0))
         p = self.page_size
@@ -440,7 +443,8 @@ class Scheduler:
                 problems.append(
                     f"waiting request {req.rid} still holds memory (req_pool_idx={req.req_pool_idx}, "
                     f"cached_len={req.cached_len}); "
-                    "a retracted request must give its slots and row back"
+                    "a retracted request must give its slots and row back, and an admitted one must leave the queue "
+                    "(admission pops the head it admits: waiting.popleft())"
                 )
         rows = [req.req_pool_idx for req in holders if req.req_pool_idx is not None]
         if sorted(rows + pool.free_slots) != list(range(pool.size)):

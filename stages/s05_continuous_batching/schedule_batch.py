@@ -30,6 +30,7 @@ from s02_request_and_sampling.prompt_logprobs import PromptLogprobRows, with_pro
 from s02_request_and_sampling.req import Req
 from s04_paged_kv_pool.allocator import pages_for
 from s04_paged_kv_pool.engine import prepare_forward
+from s04_paged_kv_pool.memory_pool import PoolExhaustedError
 from s04_paged_kv_pool.model_runner import ModelRunner
 
 from .prefix_cache import PrefixCache
@@ -68,7 +69,14 @@ class ScheduleBatch:
         needed = sum(pages_for(s, p) - pages_for(c, p) for c, s in zip(prefix_lens, seq_lens)) * p
         if needed > allocator.available_size():
             self.prefix_cache.evict(needed - allocator.available_size())
-        return allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        try:
+            return allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        except PoolExhaustedError as error:  # retraction or admission promised room that is not there
+            raise PoolExhaustedError(
+                f"{error}. The scheduler let this pass in without the room for it: retract_for_decode and "
+                f"admit_new_requests count each pass in whole pages of {p} (slots_to_extend, pages_for, not tokens), "
+                "and admission keeps back (reserved) what the requests already in the pass need"
+            ) from None
 
     def prepare_forward(self) -> ForwardBatch:
         """The ForwardBatch of this step: stage 4's prepare_forward over every request (decode

@@ -100,7 +100,11 @@ def test_outputs_come_back_in_input_order_with_stats(tiny_models_root):
     outputs = engine.generate(prompts, [greedy(n) for n in limits])
     assert len(outputs) == len(prompts), f"{len(prompts)} prompts but {len(outputs)} outputs"
     finish_order = [rid for t in traces for rid in t.finished_rids]
-    assert finish_order != sorted(finish_order), f"this workload should finish out of order, finished {finish_order}"
+    assert finish_order != sorted(finish_order), (
+        f"this workload should finish out of order, finished {finish_order}: each step's trace lists the finished "
+        "requests among those process_batch_result returns, which are all the requests that got a token, the "
+        "finished ones included"
+    )
     for i, (prompt, n, out) in enumerate(zip(prompts, limits, outputs)):
         assert_same_tokens(
             out.output_ids, hf_greedy(path, prompt, n), f"output {i} (outputs must follow the prompts' order)"
@@ -301,8 +305,57 @@ def test_a_request_whose_future_does_not_fit_waits_while_another_runs(tiny_model
             "64. Request 1's prefill (20 slots) fits, but with the 30 future tokens it may still generate it needs 50: "
             "admission must keep room for an admitted request's own future too (need = prefill slots + "
             "future_slots(req)), "
-            "or it runs short later"
+            "or it runs short later. Only the first request of a step in which nothing runs is admitted on its prefill "
+            "alone (request 0 here, admitted in the same step: request 1 is not that first one)"
         ),
+    )
+
+
+class FivePerPass(Scheduler):
+    """A scheduler whose first passes compute at most 5 tokens (stage 7 cuts long prompts so)."""
+
+    def prefill_len(self, req: Req, cached_len: int, budget: int) -> int:
+        return min(super().prefill_len(req, cached_len, budget), 5)
+
+
+def test_admission_gives_a_request_the_pass_prefill_len_chose(tiny_models_root):
+    # Pool of 64 slots, new_token_ratio=1, first passes of at most 5 tokens. Request 0 (4 tokens,
+    # 2 new) keeps 4 + 1 slots. Request 1's whole 60-token prompt would not fit the 59 left, but
+    # its first pass (5 tokens) does: admission counts, and sets device_len to, the pass it chose.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=64, max_running_requests=4, max_context_len=128)
+    scheduler = FivePerPass(runner, new_token_ratio=1.0)
+    reqs = [Req(0, list(b"four"), greedy(2)), Req(1, list(b"y" * 60), greedy(1))]
+    for req in reqs:
+        scheduler.add_request(req)
+    admitted = [req.rid for req in scheduler.admit_new_requests()]
+    assert admitted == [0, 1], (
+        f"admitted {admitted}: request 1's first pass is 5 tokens (self.prefill_len, which this test's scheduler "
+        "caps at 5), and 5 slots fit the 59 left after request 0; count a new request's prefill from the pass "
+        "prefill_len gives it, not from its whole prompt"
+    )
+    ends = [req.device_len for req in reqs]
+    assert ends == [4, 5], (
+        f"the admitted requests' device_len is {ends}, their passes end at [4, 5] (cached_len + prefill_len): "
+        "admission sets req.device_len to the end of the pass it chose, which is what the pass sends "
+        "(fill_ids[cached_len:device_len]); from stage 7 on that end is short of the prompt's"
+    )
+
+
+def test_a_request_that_needs_exactly_the_room_left_is_admitted(tiny_models_root):
+    # new_token_ratio=1: request 0 (8 tokens, 2 new) needs 8 + 1 slots; request 1 (1 new token, no
+    # future) is made exactly as long as the room then left, so it fits; request 2 then finds none.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=32, max_running_requests=4, max_context_len=128)
+    scheduler = Scheduler(runner, new_token_ratio=1.0)
+    room = scheduler.available_slots() - 9
+    for req in (Req(0, list(b"8 tokens"), greedy(2)), Req(1, list(b"z" * room), greedy(1)), Req(2, [7], greedy(1))):
+        scheduler.add_request(req)
+    admitted = [req.rid for req in scheduler.admit_new_requests()]
+    assert admitted == [0, 1], (
+        f"admitted {admitted}, expected [0, 1]: after request 0 (9 slots with its future) {room} slots are left, "
+        f"and request 1 needs exactly {room} (its prompt; no future at max_new_tokens=1). A request fits when its "
+        "need is at most the room (need <= room); request 2 then needs 1 slot of 0 and waits"
     )
 
 
@@ -337,7 +390,9 @@ def test_with_a_ratio_of_1_nothing_admitted_ever_runs_short(tiny_models_root):
             f"{what}: with new_token_ratio=1 admission keeps room for every admitted request's remaining tokens, so "
             "nothing "
             f"admitted can ever run short; yet {counts[1.0]} retraction(s) happened. Admission must count an admitted "
-            "request's own future (need = prefill slots + future_slots(req)), not only its prefill"
+            "request's own future (need = prefill slots + future_slots(req), in whole pages), not only its prefill; "
+            "the one exception, a first request admitted on its prefill alone, is only for a step in which nothing "
+            "runs"
         )
 
 
