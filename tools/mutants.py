@@ -343,6 +343,26 @@ MUTANTS: list[Mutant] = [
         r"min_new_tokens",
     ),
     Mutant(
+        "s02-min-new-tokens-counts-output-ids",
+        "s02_request_and_sampling/penalties.py",
+        "min_new_tokens counts the tokens the sampler drew (PenaltyState.drawn): output_ids lags behind under overlap",
+        edit(
+            "        if s.stop_ids is not None and s.drawn < p.min_new_tokens:",
+            "        if s.stop_ids is not None and len(reqs[rows[k]].output_ids) < p.min_new_tokens:",
+        ),
+        r"PenaltyState.drawn",
+    ),
+    Mutant(
+        "s02-repetition-penalty-as-integer",
+        "s02_request_and_sampling/penalties.py",
+        "a float setting reaches the device as a float: a repetition penalty of 1.6 made an integer is 1",
+        edit(
+            "r = host_to_device([p.repetition_penalty for p in params], device, torch.float32)",
+            "r = host_to_device([p.repetition_penalty for p in params], device, torch.int64)",
+        ),
+        r"stays a float",
+    ),
+    Mutant(
         "s02-bias-before-the-penalties",
         "s02_request_and_sampling/penalties.py",
         "logit_bias is added AFTER the penalties (the repetition penalty scales the model's own logits, not the bias)",
@@ -353,12 +373,23 @@ MUTANTS: list[Mutant] = [
         r"added after the penalty",
     ),
     Mutant(
+        "s02-top-k-keeps-the-ties",
+        "s02_request_and_sampling/sampler.py",
+        "top-k keeps exactly k tokens, ties broken by the sort (top_k=1 is greedy)",
+        edit(
+            "    keep_sorted = rank < k[:, None]  # the first k places of each sorted row\n"
+            "    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)\n",
+            "    kth = probs.gather(-1, order).gather(-1, (k - 1)[:, None])\n    return probs >= kth\n",
+        ),
+        r"exactly \d+ of the tied",
+    ),
+    Mutant(
         "s02-top-k-of-row-0-for-all",
         "s02_request_and_sampling/sampler.py",
         "each row is filtered by its own request's top_k",
         edit(
-            "keep &= top_k_mask(probs, host_to_device([p.top_k for p in params], device))",
-            "keep &= top_k_mask(probs, host_to_device([params[0].top_k] * len(params), device))",
+            "keep &= top_k_mask(probs, host_to_device([p.top_k for p in params], device, torch.int64))",
+            "keep &= top_k_mask(probs, host_to_device([params[0].top_k] * len(params), device, torch.int64))",
         ),
         r"own kept tokens",
     ),
@@ -508,6 +539,16 @@ MUTANTS: list[Mutant] = [
             "        if capacity < length:\n            capacity *= 2",
         ),
         r"capacity|reserve|fit",
+    ),
+    Mutant(
+        "s03-grown-cache-loses-its-dtype",
+        "s03_kv_cache/kv_cache.py",
+        "the grown cache keeps the old one's dtype and device (a bfloat16 model on a GPU)",
+        edit(
+            "            new = old.new_zeros((old.shape[0], capacity, *old.shape[2:]))\n",
+            "            new = torch.zeros((old.shape[0], capacity, *old.shape[2:]))\n",
+        ),
+        r"new_zeros",
     ),
     Mutant(
         "s03-step-resends-the-cached-tokens",

@@ -109,10 +109,11 @@ def describe(device: torch.device | str) -> str:
 
 
 def host_to_device(
-    values: Sequence[float] | Sequence[bool] | torch.Tensor, device: torch.device | str, dtype=torch.int64
+    values: Sequence[float] | Sequence[bool] | torch.Tensor, device: torch.device | str, dtype: torch.dtype
 ) -> torch.Tensor:
     """A ``dtype`` tensor of ``values`` (numbers, or a tensor on the CPU) on ``device``, without
-    making the host wait for the GPU.
+    making the host wait for the GPU. ``dtype`` has no default: guessed, 1.5 could become 1, or
+    an empty list of slot ids a float tensor.
 
     ``torch.tensor(values, device="cuda")`` copies from ordinary (pageable) host memory, which
     CUDA can only do synchronously: the host stops until every kernel already queued has run.

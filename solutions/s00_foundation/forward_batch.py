@@ -102,7 +102,7 @@ class ForwardBatch:
         extend_lens = [len(ids) for ids in new_token_ids]
         rows = extra.pop("req_pool_indices", None)
         rows_from_host = isinstance(rows, (list, tuple))
-        packed = host_to_device(flat + positions + (list(rows) if rows_from_host else []), device)
+        packed = host_to_device(flat + positions + (list(rows) if rows_from_host else []), device, torch.int64)
         t = len(flat)
         if rows_from_host:
             rows = packed[2 * t :]

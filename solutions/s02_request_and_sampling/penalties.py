@@ -92,7 +92,7 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         return logits
     states = [penalty_state(reqs[i], logits) for i in rows]
     params = [reqs[i].sampling_params for i in rows]
-    device = logits.device  # per-row values reach it by host_to_device: on a GPU, without a host wait
+    device = logits.device  # per-row values reach it by host_to_device(values, device, dtype): no host wait
     # BEGIN EXERCISE: repetition (prompt, output), frequency and presence (output), the bias, min_new_tokens' ban
     # [#penalties-what-the-request-already-said]
     out = logits.to(torch.float32, copy=True)  # a copy: the caller's logits stay the model's own

@@ -103,7 +103,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
 
     keep = torch.ones_like(probs, dtype=torch.bool)
     if any(p.top_k != -1 for p in params):
-        keep &= top_k_mask(probs, host_to_device([p.top_k for p in params], device))
+        keep &= top_k_mask(probs, host_to_device([p.top_k for p in params], device, torch.int64))
     if any(p.top_p < 1 for p in params):
         keep &= top_p_mask(probs, host_to_device([p.top_p for p in params], device, torch.float32))
     if any(p.min_p > 0 for p in params):

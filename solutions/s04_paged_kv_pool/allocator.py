@@ -99,7 +99,7 @@ class TokenToKVPoolAllocator:
             fresh = fresh[num_new:]
             first_page = prefix // p
             out_cache_loc += [pages[j // p - first_page] * p + j % p for j in range(prefix, seq)]
-        return host_to_device(out_cache_loc, self.device)
+        return host_to_device(out_cache_loc, self.device, torch.int64)
         # END EXERCISE
 
     def free(self, slots: torch.Tensor) -> None:

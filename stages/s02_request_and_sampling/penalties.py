@@ -92,7 +92,7 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
         return logits
     states = [penalty_state(reqs[i], logits) for i in rows]  # noqa: F841
     params = [reqs[i].sampling_params for i in rows]  # noqa: F841
-    device = logits.device  # per-row values reach it by host_to_device: on a GPU, without a host wait  # noqa: F841
+    device = logits.device  # per-row values reach it by host_to_device(values, device, dtype): no host wait  # noqa: F841
     raise NotImplementedError(
         "Stage 2: repetition (prompt, output), frequency and presence (output), the bias, min_new_tokens' ban - see stages/s02_request_and_sampling/README.md#penalties-what-the-request-already-said"  # noqa: E501 (one message, the learner's to read whole)
     )

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-# A temperature this small is argmax in all but name, and dividing logits by it overflows
-# float32 (1e-7 is what SGLang uses for the same decision).
+# A temperature this small is argmax in all but name (logits 0.01 apart end up 1e5 apart), and
+# far smaller ones overflow float32 (1e-7 is where SGLang draws the same line).
 GREEDY_TEMPERATURE = 1e-7
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 MAX_LOGPROBS = 20  # the most alternatives per token a caller may ask for (OpenAI's top_logprobs allows 20)

@@ -43,14 +43,16 @@ def changed(r: Req) -> torch.Tensor:
 
 
 def test_repetition_divides_positive_and_multiplies_negative_logits():
-    """r = 2 on tokens 3 (prompt, logit 4), 1 (output, -2), 4 (output twice, -1): each becomes less
-    likely: 4 -> 2, -2 -> -4, -1 -> -2; tokens never seen keep their logits."""
-    got = changed(req([1, 4, 4], repetition_penalty=2.0))
-    expected = torch.tensor([2.0, -4.0, 1.0, 2.0, -2.0, 0.5, 3.0, 0.0])
+    """r = 1.6 on tokens 3 (prompt, logit 4), 1 (output, -2), 4 (output twice, -1): each becomes less
+    likely: 4 -> 2.5, -2 -> -3.2, -1 -> -1.6; tokens never seen keep their logits. (Not a whole
+    number: a penalty that reached the device as an integer would still pass with 2.)"""
+    got = changed(req([1, 4, 4], repetition_penalty=1.6))
+    expected = torch.tensor([2.0, -3.2, 1.0, 2.5, -1.6, 0.5, 3.0, 0.0])
     assert torch.allclose(got, expected), (
-        f"repetition_penalty=2 with token 3 in the prompt and tokens 1, 4 in the output: a positive logit is "
-        f"divided by 2 and a NEGATIVE one multiplied by 2 (dividing it would make a repeat more likely); "
-        f"expected {expected.tolist()}, got {got.tolist()}"
+        f"repetition_penalty=1.6 with token 3 in the prompt and tokens 1, 4 in the output: a positive logit is "
+        f"divided by 1.6 and a NEGATIVE one multiplied by 1.6 (dividing it would make a repeat more likely); "
+        f"expected {expected.tolist()}, got {got.tolist()} (a float setting stays a float on the device: "
+        "host_to_device(values, device, torch.float32))"
     )
 
 
@@ -142,7 +144,8 @@ def test_min_new_tokens_bans_the_ending_tokens_until_enough_are_out(ignore_eos, 
     assert got == expected, (
         f"min_new_tokens=2, stop_token_ids=[3] (with logit_bias +50), EOS 6, ignore_eos={ignore_eos}: the first "
         f"two draws may not be a token that ends the request (3, and 6 unless ignore_eos), whatever the bias; "
-        f"the third may; expected {expected}, got {got}"
+        f"the third may; expected {expected}, got {got}. Count the draws with the request's PenaltyState.drawn: "
+        "this test draws without appending to output_ids, and stage 10's overlap samples before it appends"
     )
 
 

@@ -63,6 +63,20 @@ def test_top_k_uses_each_rows_own_k():
     check("top_k_mask", got, [{3}, in_row1({3, 1, 4})], ["top_k=1", "top_k=3"])
 
 
+def test_top_k_keeps_exactly_k_when_probabilities_tie():
+    # Three tokens tie at 0.3. A threshold at the k-th largest value (p >= kth) would keep all
+    # three for k = 1 or 2: then top_k=1 would not be greedy, which the engine assumes (is_greedy).
+    tied = torch.tensor([[0.3, 0.1, 0.3, 0.3], [0.3, 0.1, 0.3, 0.3]])
+    mask = top_k_mask(tied, torch.tensor([1, 2]))
+    for row, k in enumerate((1, 2)):
+        got = sorted(torch.nonzero(mask[row]).flatten().tolist())
+        assert len(got) == k and set(got) <= {0, 2, 3}, (
+            f"top_k={k} on probabilities {tied[row].tolist()} (three tied at 0.3) should keep exactly {k} of the tied "
+            f"tokens 0, 2, 3 (the sort breaks the tie), your mask kept {got}: keep the first k places of the sorted "
+            "row, not every token at least as likely as the k-th"
+        )
+
+
 TOP_P = [
     (0.3, {3}),
     (0.5, {3, 1}),

@@ -139,8 +139,9 @@ def test_extend_runs_several_requests_in_one_ragged_pass(tiny_models_root):
 
 
 def test_reserve_doubles_and_keeps_what_is_stored():
-    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=3)
-    stored = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 3, 1, 2)
+    # float64, not the default float32: the grown cache must keep the model's dtype (and device)
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=3, dtype=torch.float64)
+    stored = torch.arange(2 * 3 * 2, dtype=torch.float64).view(2, 3, 1, 2)
     cache.k[:, :3], cache.v[:, :3], cache.seq_len = stored, -stored, 3
     cache.reserve(3)
     assert cache.capacity == 3, (
@@ -160,6 +161,22 @@ def test_reserve_doubles_and_keeps_what_is_stored():
     )
     assert cache.seq_len == 3, f"growing must not change seq_len (3), got {cache.seq_len}"
     assert torch.equal(cache.k[:, :3], stored) and torch.equal(cache.v[:, :3], -stored), "growing lost the stored K/V"
+    assert cache.k.dtype == cache.v.dtype == torch.float64, (
+        f"a float64 cache grew into k {cache.k.dtype} and v {cache.v.dtype}: allocate the bigger tensors like the "
+        "old ones (old.new_zeros(...)), or a bfloat16 model's K/V are silently cast to float32"
+    )
+
+
+def test_reserve_keeps_the_device():
+    # The meta device (shapes, no data) stands in for a GPU: a cache grown with torch.zeros(...)
+    # would land on the CPU, and the model's next K/V (on the GPU) could not be written into it.
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=2, device="meta")
+    cache.reserve(5)
+    devices = {cache.k.device.type, cache.v.device.type}
+    assert devices == {"meta"} and cache.capacity == 8, (
+        f"a cache on device 'meta' grew to capacity {cache.capacity} on {sorted(devices)}: allocate the bigger "
+        "tensors like the old ones (old.new_zeros(...)), on the cache's own device"
+    )
 
 
 def test_generation_with_a_cache_that_must_grow(tiny_models_root):
