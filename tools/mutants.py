@@ -116,6 +116,13 @@ MUTANTS: list[Mutant] = [
         edit("        if next_id in eos_token_ids:\n", "        if next_id in list(eos_token_ids)[:1]:\n"),
         r"any of them ends",
     ),
+    Mutant(
+        "s01-returns-the-prompt-too",
+        "s01_naive_generate/generate.py",
+        "naive_generate returns only the new tokens, not the prompt followed by them",
+        edit("            break\n    return new_tokens\n", "            break\n    return tokens\n"),
+        r"returns only the\s+new tokens",
+    ),
     # --- stage 2: requests and sampling --------------------------------------------------------
     Mutant(
         "s02-seed-no-upper-bound",

@@ -31,6 +31,10 @@ def test_next_token_logits_match_transformers(tiny_model_dir):
 def test_greedy_matches_transformers_until_max_new_tokens(tiny_model_dir, name):
     prompt, n = PROMPTS[name], 12
     got = naive_generate(engine_model(str(tiny_model_dir)), prompt, max_new_tokens=n)
+    assert not (len(got) > n and list(got[: len(prompt)]) == list(prompt)), (
+        f"naive_generate returned {len(got)} tokens starting with the {len(prompt)}-token prompt: it returns only the "
+        f"new tokens (here {n}), as transformers' output is read after the prompt"
+    )
     assert_same_tokens(got, hf_greedy(tiny_model_dir, prompt, n), f"{tiny_model_dir.name}, prompt {name!r}")
     assert len(got) == n, f"with no EOS ids, generation must run to max_new_tokens={n}, got {len(got)} tokens"
 

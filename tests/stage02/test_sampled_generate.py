@@ -71,7 +71,8 @@ def test_same_seed_reproduces_and_different_seeds_differ(tiny):
     assert_same_tokens(
         alone.output_ids,
         ids[0],
-        "seed=5 alone vs seed=5 inside a batch of 4 (a request's tokens must depend only on its seed)",
+        "seed=5 alone vs seed=5 inside a batch of 4 (a request's tokens must depend only on its seed and its own "
+        "row of logits: softmax and filters work along the vocabulary, dim=-1)",
     )
     [unseeded] = generate(model, tokenizer, [PROMPT], params(None))
     [replay] = generate(model, tokenizer, [PROMPT], params(unseeded.seed))
