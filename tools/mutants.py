@@ -1577,6 +1577,23 @@ MUTANTS: list[Mutant] = [
         r"flush|tail|final text|pending|held",
     ),
     Mutant(
+        "s09-stop-window-in-tokens",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "the stop-string search window counts the characters a step added, and one token can add several",
+        edit(
+            "            hit = find_stop_str(detok.text, len(new_text), self.stops)\n",
+            "            hit = find_stop_str(detok.text, len(new_ids), self.stops)\n",
+        ),
+        r"a stop string went out",
+    ),
+    Mutant(
+        "s09-tail-before-eos-dropped",
+        "s09_zmq_serving/detokenizer_manager.py",
+        "a request that ends on EOS still sends all of its text before the EOS, the tail the detokenizer holds too",
+        edit("            final = detok.flush(self.output_ids[:-1])\n", "            final = detok.text\n"),
+        r"never came",
+    ),
+    Mutant(
         "s09-abort-of-a-finished-request",
         "s09_zmq_serving/scheduler_process.py",
         "an abort for a request that already finished (its client left just after the end) finds nothing to do",
@@ -2243,7 +2260,7 @@ def run_mutant(mutant: Mutant, work: Path, solutions: Path) -> tuple[str, str, f
     target.write_text(mutate(mutant, target.read_text()))
     junit = work / "junit.xml"
     junit.unlink(missing_ok=True)
-    env = child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(copy))
+    env = child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(copy), ENGINE_REQUIRE_DEFAULT_MODEL="1")
     command = [
         sys.executable,
         "-m",
@@ -2295,6 +2312,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[tuple[Mutant, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        # The copy of solutions/ finds the default model beside it, as solutions/ does: without it
+        # every default-model test would be skipped, and a mutant only they catch would survive.
+        (Path(tmp) / "models").symlink_to(REPO / "models", target_is_directory=True)
         for mutant in chosen:
             verdict, message, seconds = run_mutant(mutant, Path(tmp), solutions)
             results.append((mutant, verdict, message))

@@ -128,8 +128,30 @@ def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
     stops = rng.choice([[], ["ab"], ["\n", "é中"], ["ba b", "x"], ["☃☃"]])
     stop_ids = rng.choice([[], byte_ids("b")])  # a stop token that is text, unlike EOS
     max_new = rng.randint(10, 40)
+    assert_streams_the_offline_text(tokenizer, ids, stops, stop_ids, max_new, f"seed {seed}")
+
+
+def test_half_a_character_before_eos_is_still_sent(tiny_models_root):
+    # 'a', then the first byte of a two-byte character, then EOS: the request's text is 'a' and
+    # that lone byte (U+FFFD), everything before the EOS, even what the detokenizer still holds.
+    tokenizer = engine_tokenizer(str(tiny_models_root / "llama"))
+    assert_streams_the_offline_text(tokenizer, [97, 0xC3, EOS], [], [], 10, "'a', half of 'é', EOS")
+
+
+def test_a_stop_string_inside_a_many_character_token_is_cut(default_model_dir):
+    # SmolLM2's tokens are words: " Paris" is one token, and the stop string "Par" ends inside
+    # it. The search window is counted in characters of new text, not in new tokens.
+    tokenizer = engine_tokenizer(str(default_model_dir))
+    ids = tokenizer.encode("The capital of France is Paris, a city.")
+    assert_streams_the_offline_text(tokenizer, ids, ["Par"], [], 40, "SmolLM2's tokens, stop string 'Par'")
+
+
+def assert_streams_the_offline_text(tokenizer, ids, stops, stop_ids, max_new: int, name: str) -> None:
+    """Feed ``ids`` one per step to a Req and a DecodeStatus: the pieces joined must be the Req's
+    output_text, and no step may send what a later one takes back."""
+    __tracebackhide__ = True
     params = SamplingParams(max_new_tokens=max_new, stop=stops, stop_token_ids=stop_ids)
-    req = Req(f"r{seed}", [65], params, tokenizer=tokenizer)
+    req = Req("r", [65], params, tokenizer=tokenizer)
     status = DecodeStatus(tokenizer, stops)
     sent = []
     for token in ids:
@@ -140,16 +162,23 @@ def test_pieces_join_to_the_offline_engines_text(tiny_models_root, seed):
             break
     final = req.output_text
     what = (
-        f"seed {seed}: tokens {req.output_ids}, stop strings {stops}, stop_token_ids {stop_ids}, "
+        f"{name}: tokens {req.output_ids}, stop strings {stops}, stop_token_ids {stop_ids}, "
         f"finish {req.finished_reason}"
     )
     joined = "".join(sent)
-    if req.finished_reason is not None and isinstance(req.finished_reason.matched, int):
-        hint = " (the request ended on a stop token or EOS, which is not text: the text ends before it)"
-    elif final.startswith(joined) and len(joined) < len(final):
+    on_a_token = req.finished_reason is not None and isinstance(req.finished_reason.matched, int)
+    if final.startswith(joined) and len(joined) < len(final):
         hint = (
             f" (its last {len(final) - len(joined)} character(s) never came: when the request ends, all of its text is "
-            "sent, the tail the detokenizer still holds too - flush it, even half a UTF-8 character)"
+            "sent, the tail the detokenizer still holds too - flush it, even half a UTF-8 character"
+            + (", up to the stop token or EOS that ended it)" if on_a_token else ")")
+        )
+    elif on_a_token:
+        hint = " (the request ended on a stop token or EOS, which is not text: the text ends before it)"
+    elif joined.startswith(final) and stops:
+        hint = (
+            " (a stop string went out: find it in the characters the step added, new_len = len(new text), which "
+            "one token of a real tokenizer can make several of)"
         )
     else:
         hint = ""
