@@ -63,6 +63,7 @@ def pytest_runtest_call(item):
     answer a one-token request (Server.check_answering), or the test fails at once."""
     for server in servers_of(item):
         server.check_answering()
+        server.mark_log()
     takes = item.get_closest_marker("takes")
     with item.config.stash[STUCK_WATCH].running(item.nodeid, takes.args[0] if takes else 0, time_limit(item)):
         return (yield)
@@ -99,6 +100,17 @@ def unwritten_exercise(excinfo) -> pytest.ExceptionInfo | None:
             return pytest.ExceptionInfo.from_exception(error)
         seen.add(id(error))
         error = error.__cause__ or error.__context__
+    return None
+
+
+def unwritten_in_a_server(item) -> tuple[str, str] | None:
+    """An exercise not written yet that raised in a server the test used, while it ran: (where,
+    its message), from the server's log."""
+    for server in servers_of(item):
+        found = server.unwritten_exercise()
+        if found is not None:
+            frame, message = found
+            return location(frame, REPO), message
     return None
 
 
@@ -163,6 +175,14 @@ def pytest_runtest_makereport(item, call):
             headline=f"stuck: ran past {limit:g} s",
         )
     unwritten = unwritten_exercise(call.excinfo) if call.excinfo is not None else None
+    in_a_server = None if unwritten is not None or call.excinfo is None else unwritten_in_a_server(item)
+    if in_a_server is not None:  # the test sees only its symptom (a 500, a cut stream): say the cause first
+        where, message = in_a_server
+        hint = earlier_stage_hint(item, message)
+        say_with(report, "not written yet", f"{where}\n-> {message}{hint}", headline=f"not written yet: {where}")
+        item.config.stash.setdefault(NOT_WRITTEN, {}).setdefault((where, message), set()).add(item.nodeid)
+        if hint:
+            item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     if unwritten is not None:
         message = str(unwritten.value)
         where, hint = exercise_location(unwritten), earlier_stage_hint(item, message)

@@ -32,6 +32,7 @@ from stuck_watch import timed_out_after
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
+TRACEBACK_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')  # a frame of a logged traceback
 
 # After a request that got no answer in time, one good request must be answered within this
 # (a tiny model answers one token in well under a second): else the server is not waited on again.
@@ -100,6 +101,7 @@ class Server:
         self.silent: str | None = None  # why the server is not asked again
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
         self.log_path, self.log = Path(name), os.fdopen(fd, "w")
+        self.log_mark = 0  # where the current test's part of the log starts (mark_log)
         flags = [
             *(["--enable-debug-endpoints"] if debug else []),
             *(["--enable-metrics"] if metrics else []),
@@ -123,6 +125,21 @@ class Server:
         if not self.log.closed:
             self.log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def mark_log(self) -> None:
+        """Remember where the log ends now (a test starts): ``unwritten_exercise`` reads what follows."""
+        self.log_mark = len(self.log_text())
+
+    def unwritten_exercise(self) -> tuple[tuple[str, int, str], str] | None:
+        """The first exercise not written yet that raised in one of the server's processes since
+        ``mark_log``: the frame that raised it (file, line, function) and its message; else None."""
+        frame = None
+        for line in self.log_text()[self.log_mark :].splitlines():
+            if found := TRACEBACK_FRAME.match(line):
+                frame = (found[1], int(found[2]), found[3])
+            elif line.startswith("NotImplementedError: Stage ") and frame is not None:
+                return frame, line.removeprefix("NotImplementedError: ")
+        return None
 
     def why(self) -> str:
         """The server's own words: its error lines, else the end of its log."""
