@@ -46,7 +46,8 @@ help:
 	@echo "                       server, stream one chat through the openai client, stop it"
 	@echo "  make serve            the OpenAI-compatible server (reference code; ARGS=\"--port 8000 --model ...\")"
 	@echo "  make stage-N          test YOUR stage N (stages/); REFERENCE_UPTO=K (K < N) borrows stages <= K;"
-	@echo "                       PYTEST_ARGS=\"-k top_p -x\" runs some of its tests, stopping at the first failure"
+	@echo "                       PYTEST_ARGS=\"-k top_p -x\" runs some of its tests, stopping at the first failure;"
+	@echo "                       PYTEST_ARGS=tests/stage02/test_sampler.py runs that file only"
 	@echo "  make upto-N           test your stages 1..N"
 	@echo "  make run-N            run stage N's milestone with your code (ARGS=\"...\" passes arguments)"
 	@echo "  make solution-N       run stage N's milestone with the reference code"
@@ -115,7 +116,7 @@ stage-%: setup
 	$(call reference_upto_check,$*,this would grade); \
 	if ! ls tests/stage$$n/test_*.py >/dev/null 2>&1; then echo "stage $*: no tests yet (tests/stage$$n/test_*.py)"; exit 1; fi; \
 	$(LEARNER) $(PY) tools/impl_switch.py describe && \
-	$(LEARNER) $(PY) -m pytest tests/stage$$n -q --tb=short $(PYTEST_ARGS)
+	$(LEARNER) $(PY) -m pytest $(if $(filter tests/%,$(PYTEST_ARGS)),,tests/stage$$n) -q --tb=short $(PYTEST_ARGS)
 
 upto-%: setup
 	@$(call reference_upto_check,$*,this would grade); \

@@ -246,8 +246,9 @@ class SchedulerProcess:
                 # engine gets here: it still runs and holds its KV. Said, not crashed on, so that
                 # /debug/state (untracked_requests) and the leak checks can show it.
                 logger.error(
-                    "the engine stepped request %s, which this process no longer tracks: abort_request dropped "
-                    "it from self.reqs without engine.abort_request, so it still runs and holds its KV",
+                    "the engine stepped request %s, which this process does not track: either abort_request "
+                    "dropped it from self.reqs without engine.abort_request (it still runs and holds its KV), or "
+                    "it was added without rid=req.rid (the engine numbered it itself)",
                     out.rid,
                 )
                 continue

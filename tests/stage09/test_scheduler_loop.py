@@ -36,6 +36,12 @@ class ScriptedEngine:
     def has_work(self) -> bool:
         return self.steps_left > 0
 
+    def step(self):
+        raise AssertionError(
+            "the loop called engine.step() itself: call self.run_batch(), which steps the engine and turns a step "
+            "that raises into errors for its requests instead of a dead loop"
+        )
+
 
 class ScriptedScheduler(SchedulerProcess):
     """A SchedulerProcess whose socket, message handling and engine step are stand-ins. Each

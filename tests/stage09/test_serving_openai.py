@@ -505,7 +505,10 @@ def test_a_batch_of_prompts(tiny_server):
     for chunk in client.completions.create(**request, stream=True, extra_body={"ignore_eos": True}):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
-    assert texts == [e.text for e in expected], f"streamed, each chunk names its choice: got {texts}"
+    assert texts == [e.text for e in expected], (
+        f"streamed, the {len(expected)} choices' texts should be {[e.text for e in expected]}, got {texts}: each chunk "
+        "names its choice (index), and the stream goes on until every choice has finished, not only the first"
+    )
 
 
 @pytest.mark.parametrize(
