@@ -676,6 +676,20 @@ MUTANTS: list[Mutant] = [
         r"cached|extend_lens",
     ),
     Mutant(
+        "s04-marked-cached-after-append",
+        "s04_paged_kv_pool/engine.py",
+        "cached_len counts the positions whose K/V the pass stored, before the sampled token grows device_len",
+        edit(
+            """        for req in self.running:
+            req.cached_len = req.device_len
+        append_sampled(self.running, logits)""",
+            """        append_sampled(self.running, logits)
+        for req in self.running:
+            req.cached_len = req.device_len""",
+        ),
+        r"cached_len\) before its K/V were stored",
+    ),
+    Mutant(
         "s04-gather-before-write",
         "s04_paged_kv_pool/paged_backend.py",
         "each layer writes the new tokens' K/V into the pool BEFORE it gathers: the gathered keys include the new "

@@ -150,7 +150,12 @@ class TokenToKVPoolAllocator:
                 slot_list = torch.as_tensor(slots).reshape(-1).tolist()
                 slot_counts.update(slot_list)
                 for page in sorted({s // self.page_size for s in slot_list}):
-                    if not 1 <= page <= self.num_pages or not bool(self.page_allocated[page]):
+                    if page == 0:  # a table row's unset entries are 0: a position counted but never stored
+                        problems.append(
+                            f"owner {i}: owns slots of the dummy page 0, which no request is given: does it count a "
+                            "position as cached (cached_len) before its K/V were stored?"
+                        )
+                    elif not 1 <= page <= self.num_pages or not bool(self.page_allocated[page]):
                         problems.append(f"owner {i}: owns slots of page {page}, which is not allocated")
                     elif owner_of_page.setdefault(page, i) != i:
                         problems.append(f"page {page} is shared by owners {owner_of_page[page]} and {i}")
