@@ -114,6 +114,18 @@ def unwritten_in_a_server(item) -> tuple[str, str] | None:
     return None
 
 
+def remember_unwritten(item, where: str, message: str) -> tuple[str, bool]:
+    """Note that the exercise at ``where`` stopped ``item``, for the summary at the end. Returns
+    its earlier-stage hint ("" if none) and whether an earlier test already stopped there."""
+    hint = earlier_stage_hint(item, message)
+    waiting = item.config.stash.setdefault(NOT_WRITTEN, {})
+    said_before = (where, message) in waiting
+    waiting.setdefault((where, message), set()).add(item.nodeid)
+    if hint:
+        item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
+    return hint, said_before
+
+
 def earlier_stage_hint(item, message: str) -> str:
     """For an exercise of an earlier stage than the test's: how to test this stage without it."""
     marker, found = item.get_closest_marker("stage"), EXERCISE_STAGE.match(message)
@@ -178,23 +190,17 @@ def pytest_runtest_makereport(item, call):
     in_a_server = None if unwritten is not None or call.excinfo is None else unwritten_in_a_server(item)
     if in_a_server is not None:  # the test sees only its symptom (a 500, a cut stream): say the cause first
         where, message = in_a_server
-        hint = earlier_stage_hint(item, message)
+        hint, _ = remember_unwritten(item, where, message)
         say_with(report, "not written yet", f"{where}\n-> {message}{hint}", headline=f"not written yet: {where}")
-        item.config.stash.setdefault(NOT_WRITTEN, {}).setdefault((where, message), set()).add(item.nodeid)
-        if hint:
-            item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     if unwritten is not None:
         message = str(unwritten.value)
-        where, hint = exercise_location(unwritten), earlier_stage_hint(item, message)
-        waiting = item.config.stash.setdefault(NOT_WRITTEN, {})
-        if (where, message) in waiting:  # said in full at the first test that stopped there
+        where = exercise_location(unwritten)
+        hint, said_before = remember_unwritten(item, where, message)
+        if said_before:  # said in full at the first test that stopped there
             # (which may be printed below this one: errors in fixtures come before failures)
             report.longrepr = f"not written yet: {where} (what to write: the summary at the end)"
         else:
             report.longrepr = f"not written yet: {where}\n-> {message}{hint}"
-        waiting.setdefault((where, message), set()).add(item.nodeid)
-        if hint:
-            item.config.stash.setdefault(EARLIER_STAGE_HINTS, set()).add(hint)
     return report
 
 

@@ -101,7 +101,7 @@ class Server:
         self.silent: str | None = None  # why the server is not asked again
         fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)
         self.log_path, self.log = Path(name), os.fdopen(fd, "w")
-        self.log_mark = 0  # where the current test's part of the log starts (mark_log)
+        self.log_mark = 0  # the byte where the current test's part of the log starts (mark_log)
         flags = [
             *(["--enable-debug-endpoints"] if debug else []),
             *(["--enable-metrics"] if metrics else []),
@@ -121,20 +121,24 @@ class Server:
             )
         pytest.fail(f"the server on {model.name} did not start: {problem}\n{self.why()}", pytrace=False)
 
-    def log_text(self) -> str:
+    def log_text(self, start: int = 0) -> str:
+        """The log from byte ``start`` on (all of it by default)."""
         if not self.log.closed:
             self.log.flush()
-        return self.log_path.read_text(errors="replace")
+        with self.log_path.open("rb") as log:
+            log.seek(start)
+            return log.read().decode(errors="replace")
 
     def mark_log(self) -> None:
-        """Remember where the log ends now (a test starts): ``unwritten_exercise`` reads what follows."""
-        self.log_mark = len(self.log_text())
+        """Remember where the log ends now (a test starts): ``unwritten_exercise`` reads what follows.
+        (The server's processes write to the file itself: nothing of theirs waits in a buffer here.)"""
+        self.log_mark = self.log_path.stat().st_size
 
     def unwritten_exercise(self) -> tuple[tuple[str, int, str], str] | None:
         """The first exercise not written yet that raised in one of the server's processes since
         ``mark_log``: the frame that raised it (file, line, function) and its message; else None."""
         frame = None
-        for line in self.log_text()[self.log_mark :].splitlines():
+        for line in self.log_text(self.log_mark).splitlines():
             if found := TRACEBACK_FRAME.match(line):
                 frame = (found[1], int(found[2]), found[3])
             elif line.startswith("NotImplementedError: Stage ") and frame is not None:
