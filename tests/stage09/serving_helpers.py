@@ -387,6 +387,23 @@ def post(
     return requests.post(server.base_url + path, data=data, headers=headers, timeout=timeout, stream=stream)
 
 
+def assert_openai_error(answer: requests.Response, status: int, what: str) -> dict:
+    """The OpenAI error an answer holds, after checking its status and fields."""
+    assert answer.status_code == status, (
+        f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
+    )
+    try:
+        error = answer.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        raise AssertionError(
+            f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}"
+        ) from None
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
+        f"{what}: the error must hold message, type, param and code; got {error}"
+    )
+    return error
+
+
 def read_sse(response: requests.Response) -> list:
     """The JSON chunks of an SSE answer (checks it ends with data: [DONE])."""
     events = [line[len("data: ") :] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]

@@ -12,7 +12,7 @@ import pytest
 import requests
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from serving_helpers import post, read_sse
+from serving_helpers import assert_openai_error, post, read_sse
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -409,18 +409,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(
     tiny_server, what, path, body, status, param, words
 ):
     answer = post(tiny_server, path, data=body) if isinstance(body, (str, bytes)) else post(tiny_server, path, body)
-    assert answer.status_code == status, (
-        f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
-    )
-    try:
-        error = answer.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        raise AssertionError(
-            f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}"
-        ) from None
-    assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
-        f"{what}: the error must hold message, type, param and code; got {error}"
-    )
+    error = assert_openai_error(answer, status, what)
     if what in TOO_LONG_FOR_THE_ENGINE:
         assert error["code"] == "context_length_exceeded", (
             f"{what}: the engine refused it as too long, which OpenAI's clients know by the code "

@@ -19,28 +19,13 @@ from serving_helpers import (
     GUARD_LIMITS,
     TINY_FAMILY,
     assert_nothing_leaked,
+    assert_openai_error,
     post,
     wait_idle,
 )
 
 COMPLETIONS = "/v1/completions"
 GOOD = {"model": TINY_FAMILY, "prompt": "Hi", "max_tokens": 3, "temperature": 0}
-
-
-def assert_openai_error(answer: requests.Response, status: int, what: str) -> dict:
-    assert answer.status_code == status, (
-        f"{what}: expected status {status}, got {answer.status_code}: {answer.text[:300]}"
-    )
-    try:
-        error = answer.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        raise AssertionError(
-            f"{what}: the body must be OpenAI's {{'error': {{...}}}}; got {answer.text[:300]}"
-        ) from None
-    assert set(error) >= {"message", "type", "param", "code"} and error["message"], (
-        f"{what}: OpenAI's error fields; got {error}"
-    )
-    return error
 
 
 def in_background(send) -> tuple[threading.Thread, list]:
