@@ -46,7 +46,8 @@ ENGINE_KNOBS: list[tuple[str, str, Any, str]] = [
         "--disable-overlap",
         "disable_overlap",
         "flag",
-        "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 11's engine)",
+        "serve stage 8's engine: each step scheduled after its forward, not during it (default: stage 11's engine; "
+        "with --tp-size, stage 12's without overlap)",
     ),
     (
         "--enable-overlap",
@@ -74,6 +75,15 @@ READ_TIMEOUT_S = 30.0  # a client must send a request's headers, and then its bo
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default, on purpose)
 MAX_CONNECTIONS = 512  # open connections + requests in progress; beyond: 503 (below the usual 1024-file limit)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def served_stage(knobs: dict[str, Any]) -> int:
+    """Which stage's engine a server with these engine knobs runs (``build_engine`` builds it): 12
+    with ``--tp-size`` above 1 (stage 11's engine split across ranks, overlapped or not as asked), 8
+    with ``--disable-overlap``, else 11. The API process asks too: only stage 8's has no grammars."""
+    if knobs.get("tp_size", 1) > 1:
+        return 12
+    return 8 if knobs.get("disable_overlap") else 11
 
 
 @dataclass

@@ -59,7 +59,7 @@ from .protocol import (  # noqa: F401
     whole_answer,
 )
 from .request_guard import RequestGuard
-from .server_args import ServerArgs
+from .server_args import ServerArgs, served_stage
 from .tool_calls import ToolCallParser, read_whole, resolve_tool_choice, stream_delta, tool_call_schema
 from .worker_loop import INJECTED, Heartbeats
 
@@ -244,7 +244,7 @@ class OpenAIServing:
         only when a request asks for them, so this stage alone serves everything else."""
         if response_format in (None, {"type": "text"}) and regex is None:
             return params
-        if self.server_args.engine_knobs.get("disable_overlap"):
+        if served_stage(self.server_args.engine_knobs) == 8:
             raise InvalidRequest(
                 "a constrained answer (response_format, regex, tool_choice 'required' or a named function) needs "
                 "stage 11's engine; this server runs stage 8's (--disable-overlap)",

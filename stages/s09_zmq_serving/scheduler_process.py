@@ -52,6 +52,7 @@ from .io_struct import (
     TokenizedGenerateReqInput,
     describe_error,
 )
+from .server_args import served_stage
 from .worker_loop import IDLE_POLL_MS, Fault, Heartbeats
 
 logger = logging.getLogger(__name__)
@@ -60,21 +61,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_engine(model: str, knobs: dict[str, Any]) -> CudaGraphEngine:
-    """The engine the server runs: the newest stage's, stage 11's (stage 10's engine with structured
-    output, overlapped where it pays); with ``--disable-overlap``, stage 8's, without the overlapped loop. Stages
-    10 and 11 are imported only when they are served, so this stage (and its tests, which pass
+    """The engine the server runs (``served_stage``): by default stage 11's (stage 10's engine with
+    structured output, overlapped where it pays); with ``--disable-overlap``, stage 8's, without the
+    overlapped loop; with ``--tp-size`` above 1, stage 12's (stage 11's split across ranks). Later
+    stages are imported only when they are served, so this stage (and its tests, which pass
     ``--disable-overlap``) needs nothing beyond stage 9."""
     knobs = dict(knobs)
     if isinstance(knobs.get("dtype"), str):
         if knobs["dtype"] not in DTYPES:
             raise ValueError(f"--dtype {knobs['dtype']!r} is not one of {sorted(DTYPES)}")
         knobs["dtype"] = DTYPES[knobs["dtype"]]
-    if knobs.get("tp_size", 1) > 1:  # stage 12's engine, imported only when asked for
+    stage = served_stage(knobs)
+    if stage == 12:  # imported only when asked for
         from s12_tensor_parallel.engine import TPEngine
 
         return TPEngine(model, **knobs)
     knobs.pop("tp_size", None)
-    if knobs.get("disable_overlap"):  # --enable-overlap passes False on to stage 11's engine
+    if stage == 8:  # (--enable-overlap passes disable_overlap=False on to stage 11's engine)
         del knobs["disable_overlap"]
         return CudaGraphEngine(model, **knobs)
     from s11_structured_output.engine import Engine  # here, not at the top: see the docstring

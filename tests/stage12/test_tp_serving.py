@@ -5,6 +5,7 @@ server with the reason (no step can run without it), rather than leaving it up t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,9 @@ from serving_helpers import Server, greedy, offline_outputs, stream_concurrently
 pytestmark = pytest.mark.takes(90)
 
 
-def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_path_factory):
+# --disable-overlap turns only the overlap off: the ranks still run stage 11's engine, grammars and all.
+@pytest.mark.parametrize("overlap_flags", [[], ["--disable-overlap"]], ids=["default", "disable-overlap"])
+def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_path_factory, overlap_flags):
     path = tiny_models_root / "llama"
     prompts, limits = ["Hello", "The quick brown fox", "a\nb\n\nc"], [8, 10, 6]
     tokenizer = engine_tokenizer(str(path))
@@ -33,7 +36,7 @@ def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_
     expected = offline_outputs(engine, [tokenizer.encode(p) for p in prompts], [greedy(n) for n in limits])
     server = Server(
         path,
-        ["--tp-size", "2", "--pool-size", "1024", "--max-running-requests", "16"],
+        ["--tp-size", "2", "--pool-size", "1024", "--max-running-requests", "16", *overlap_flags],
         tmp_path_factory.mktemp("s12-server"),
     )
     try:
@@ -46,6 +49,14 @@ def test_the_server_streams_with_two_ranks_and_stops_them(tiny_models_root, tmp_
                 f"--tp-size 2, prompt {prompt!r}: streamed {text!r} ({finish}), one device "
                 f"{ref.text!r} ({ref.finish_reason.type})"
             )
+        pattern = "(yes|no), [0-9]{2}"
+        constrained = dict(model=path.name, prompt="Answer:", max_tokens=16, temperature=0)
+        constrained["extra_body"] = {"regex": pattern}
+        [(text, finish)] = stream_concurrently(server, "completions", [constrained])
+        assert re.fullmatch(pattern, text) and finish == "stop", (
+            f"--tp-size 2 {' '.join(overlap_flags)}: a request with regex {pattern!r} streamed {text!r} ({finish}); "
+            "the ranks run stage 11's engine, so it must match the regex and stop there"
+        )
     finally:
         server.stop()
     left = wait_gone(ranks, timeout=15)
