@@ -77,7 +77,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the device's)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: one per physical core)")
     parser.add_argument(
-        "--torch-compile", action="store_true", help="compile the layers and the decode attention (stage 8)"
+        "--torch-compile",
+        action="store_true",
+        help="compile each layer's MLP and RMSNorms (stage 8; attention stays eager)",
     )
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()

@@ -8,7 +8,7 @@ Where K/V come from depends on the page size:
 
 - page_size a multiple of 256: the kernel reads the pool directly through a block table
   (block_table[i, j] = the page holding request i's positions j*page_size...), no copy at all.
-  flash-attn 2 only accepts paged K/V in pages of 256 slots or more.
+  flash-attn 2 only accepts paged K/V in pages whose size is a multiple of 256.
 - any other page size (1 by default): the same gather as the PyTorch backend (kv_indices),
   then the varlen kernel over the gathered copy.
 
@@ -28,7 +28,7 @@ try:
 except ImportError:  # not installed: CPU machines, or CUDA without the optional extra
     flash_attn_varlen_func = None
 
-BLOCK_TABLE_PAGE_MULTIPLE = 256  # flash-attn 2 refuses paged K/V in smaller pages
+BLOCK_TABLE_PAGE_MULTIPLE = 256  # flash-attn 2 refuses paged K/V in pages of any other size
 
 
 def flash_attn_available() -> bool:

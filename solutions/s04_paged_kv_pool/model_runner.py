@@ -55,6 +55,7 @@ class ModelRunner:
         return "flash-attn" if isinstance(self.attn_backend, FlashAttentionBackend) else "torch (gather + SDPA)"
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [num_reqs, vocab] at each request's last new token."""
+        """Logits [num_reqs, vocab] at each request's last new token, then one row per entry of
+        ``batch.extra_logit_rows`` (the prompt positions a request asked log-probabilities of)."""
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch)

@@ -225,7 +225,7 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Give unlocked leaves back to the allocator, least recently used first, until at least
         ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed, and
-        adds them to ``evicted_tokens`` (the count the engine's statistics report)."""
+        adds them to ``evicted_tokens`` (a running total of what the tree gave back)."""
         evicted = 0
         # BEGIN EXERCISE: evict unlocked leaves, least recently used first [#what-you-write]
         heap = [node for node in self._all_nodes() if not node.children and node.lock_ref == 0]

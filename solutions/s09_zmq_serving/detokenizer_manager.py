@@ -101,7 +101,7 @@ class DecodeStatus:
 
 class DetokenizerManager:
     """Reads ``BatchTokenIDOut`` from the scheduler, keeps a ``DecodeStatus`` per request, sends
-    ``BatchStrOut`` to the API server; forwards errors and debug answers unchanged.
+    ``BatchStrOut`` to the API server; forwards errors, and adds its own counts to debug answers.
 
     A request whose text cannot be made (its decoding raised) gets an ``ErrorOut`` 500 and is
     forgotten; the others of the same step are not affected, and its later token ids (until the
@@ -170,7 +170,7 @@ class DetokenizerManager:
         self.logprob_streams.pop(rid, None)
 
     def debug_state(self) -> dict[str, int]:
-        """What this process holds per request, for /debug/state: with nothing running both are 0,
+        """What this process holds per request, for /debug/state: with nothing running all three are 0,
         else a request ended without its end reaching here (its text would be kept forever)."""
         return {
             "detokenizer_requests": len(self.decode_status),

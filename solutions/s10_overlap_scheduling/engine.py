@@ -7,8 +7,8 @@ same APIs, plus one config field::
     engine.scheduler.timeline                  # StepTiming per step: CPU scheduling, forward, processing
 
 Only the scheduler changes (stage 5's ``make_scheduler`` seam); the runner, with its CUDA graphs,
-is stage 8's and runs on the worker (overlap_worker.py). ``make serve`` runs this engine (stage 9's
-``--disable-overlap`` serves stage 8's instead).
+is stage 8's and runs on the worker (overlap_worker.py). ``make serve`` runs stage 11's engine,
+which is this one with grammars (stage 9's ``--disable-overlap`` serves stage 8's instead).
 """
 
 from __future__ import annotations

@@ -163,7 +163,6 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
         self.shard = vocab_shard(name, vocab_size, tp)
-        self.tied = tied is not None
         if tied is not None:
             self.weight = tied.weight  # the same rows: both split the vocabulary the same way
         else:

@@ -62,8 +62,9 @@ def encode(tokenizer: Tokenizer | None, prompt: PromptInput) -> list[int]:
 def check_fits_the_vocabulary(ids: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
     """What only the model can tell about a request: every prompt id must have a row in its
     embedding (one beyond it fails deep inside the forward pass, as "index out of range"), top_k
-    must be at most the vocabulary (a larger one overflows the sampler's int64 tensors), and so
-    must logit_bias's token ids (each one is a column of the logits)."""
+    must be at most the vocabulary (a larger one asks for more tokens than there are, and past
+    2**63 would not even fit the sampler's int64 tensor), and so must logit_bias's token ids (each
+    one is a column of the logits)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}) (the model's vocabulary), got {bad[:5]}")

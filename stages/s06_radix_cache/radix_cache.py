@@ -179,7 +179,7 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Give unlocked leaves back to the allocator, least recently used first, until at least
         ``num_tokens`` slots are freed or nothing evictable is left. Returns the slots freed, and
-        adds them to ``evicted_tokens`` (the count the engine's statistics report)."""
+        adds them to ``evicted_tokens`` (a running total of what the tree gave back)."""
         evicted = 0  # noqa: F841
         raise NotImplementedError(
             "Stage 6: evict unlocked leaves, least recently used first - see stages/s06_radix_cache/README.md#what-you-write"  # noqa: E501 (one message, the learner's to read whole)

@@ -3,9 +3,9 @@
 With a prefix cache the order matters: a request whose prompt is mostly cached costs little
 prefill and little memory, and running it soon keeps its prefix hot (recently used nodes are the
 last evicted). LPM sorts the queue by the length ``match_prefix`` finds, longest first, ties in
-arrival order. Sorting asks the tree once per waiting request, so on a long queue it falls back
-to FCFS (SGLang does the same above 128 waiting requests). Unlike FCFS, LPM can make a request
-with nothing cached wait behind a stream of cache hits: that is its price.
+their current queue order. Sorting asks the tree once per waiting request, so on a long queue it
+falls back to FCFS (SGLang does the same above 128 waiting requests). Unlike FCFS, LPM can make a
+request with nothing cached wait behind a stream of cache hits: that is its price.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class SchedulePolicy:
         """Reorder ``waiting`` in place: the first is the next to be admitted."""
         if self.policy == "fcfs" or len(waiting) > self.fallback_queue_len:
             return
-        # What admission will match (req.max_prefix_len); sorted() is stable: ties keep arrival order.
+        # What admission will match (req.max_prefix_len); sorted() is stable: ties keep their queue order.
         cached = {
             id(req): self.prefix_cache.match_prefix(req.fill_ids[: req.max_prefix_len]).cached_len for req in waiting
         }

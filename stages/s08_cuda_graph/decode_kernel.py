@@ -1,7 +1,7 @@
 """A fused decode attention for CPUs, in C++ (decode_kernel.cpp), built the first time it is needed.
 
 table_attention.py reads K and V through the table with two library operations, and is still
-1.2-1.5x above the memory floor: the scores pass reads every key once per query head, and every
+1.1-1.4x above the memory floor: the scores pass reads every key once per query head, and every
 row is padded to the batch's longest. One loop written for the job does better::
 
     for each (request, KV head), the threads sharing the work by total length:

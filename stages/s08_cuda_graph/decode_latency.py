@@ -130,7 +130,7 @@ def decode_step_latency(
     ``context_len`` tokens in context, on ``path`` (one of ``PATHS``, see above).
     Returns {"seconds", "path", "bucket", "backend", "capture_seconds"}: the runner path the steps
     took, their bucket (graph path), the attention backend and the graphs' capture time.
-    ``enable_torch_compile`` compiles the model's layers and the decode attention (torch_compile.py)."""
+    ``enable_torch_compile`` compiles each layer's MLP and RMSNorms (torch_compile.py); attention stays eager."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     longest = context_len + warmup + steps + 1

@@ -40,9 +40,9 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 @dataclass
 class Timing:
-    """One engine request in flight: when it was sent, when its last token came, how many so far."""
+    """One engine request in flight: when it reached its route, when its last token came, how many so far."""
 
-    sent: float
+    arrived: float
     last: float
     tokens: int = 0
 
@@ -110,7 +110,7 @@ class ServerMetrics:
         new = tokens - timing.tokens
         if new > 0:
             if timing.tokens == 0:
-                self.ttft.observe(now - timing.sent)
+                self.ttft.observe(now - timing.arrived)
                 self.prompt_tokens.inc(prompt_tokens)
                 new -= 1
                 gap = 0.0  # tokens that came with the first one came at once
@@ -121,7 +121,7 @@ class ServerMetrics:
             self.generation_tokens.inc(tokens - timing.tokens)
             timing.tokens, timing.last = tokens, now
         if finish_reason is not None:
-            self.e2e.observe(now - timing.sent)
+            self.e2e.observe(now - timing.arrived)
             self.end(rid, finish_reason)
 
     def end(self, rid: str, reason: str) -> None:

@@ -75,8 +75,6 @@ class StepTiming:
     schedule: tuple[float, float]
     forward: tuple[float, float]
     process: tuple[float, float]
-    num_reqs: int
-    prefill_tokens: int
 
 
 @dataclass
@@ -188,7 +186,7 @@ class OverlapScheduler(ChunkedPrefillScheduler):
                 "request's next chunk, or a retraction, starts from what it stores): step() must process it "
                 "first whenever must_wait_for_last() says so"
             )
-        retracted = self.retract_if_short(self.decoding_reqs(), start)  # nothing is in flight (checked above)
+        retracted = self.retract_if_short(self.decoding_reqs(), start)  # only with nothing in flight: see above
         admitted = self.admit_new_requests()
         decodes = self.decoding_reqs()
         if not decodes and not admitted:
@@ -237,8 +235,6 @@ class OverlapScheduler(ChunkedPrefillScheduler):
                 launched.schedule,
                 (result.start, result.end),
                 (start, end),
-                len(launched.batch.reqs),
-                launched.prefill_tokens,
             )
         )
         span = (launched.schedule[0], end)

@@ -15,8 +15,8 @@ Two process groups join the same ranks:
   server is idle, so this group's timeout is a day, not seconds. The start's barrier (every rank
   has built its runner) runs here too, bounded by ``START_TIMEOUT``.
 
-Every rank joins with ``torch.distributed``'s env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK,
-WORLD_SIZE), so the same code runs under ``torchrun`` across machines.
+Every rank joins at ``tcp://MASTER_ADDR:MASTER_PORT`` with its RANK and the WORLD_SIZE (torchrun's
+variables), so the same code runs under ``torchrun`` across machines.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def init_tp_group_from_env(device: torch.device | str, timeout_s: float = DEFAUL
     """``init_tp_group`` from torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
-        raise TPGroupError(f"env:// rendezvous needs {', '.join(missing)} in the environment (torchrun sets them)")
+        raise TPGroupError(f"joining the group needs {', '.join(missing)} in the environment (torchrun sets them)")
     return init_tp_group(
         int(os.environ["RANK"]),
         int(os.environ["WORLD_SIZE"]),
