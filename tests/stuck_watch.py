@@ -19,6 +19,8 @@ compared: a correct test that is merely slow has the same outer frames as a stuc
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import re
 import signal
@@ -66,11 +68,52 @@ def timed_out_after(error: BaseException) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def qualified(filename: str, line: int, function: str) -> str:
+    """``function`` as ``Class.method``. Python 3.11+ names it so itself (``co_qualname``); on 3.10
+    it is read from the source: the innermost function of that name around ``line``. A learner sees
+    the same names on every Python the course runs on."""
+    return function if sys.version_info >= (3, 11) else qualname_from_source(filename, line, function)
+
+
+def qualname_from_source(filename: str, line: int, function: str) -> str:
+    """The qualified name of the innermost function called ``function`` around ``line`` of a file
+    (``function`` itself if there is none)."""
+    around = [(start, name) for start, end, name in functions_in(filename) if start <= line <= end]
+    named = [start_name for start_name in around if start_name[1].rsplit(".", 1)[-1] == function]
+    return max(named)[1] if named else function
+
+
+@functools.lru_cache(maxsize=None)
+def functions_in(filename: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, qualified name) of every function in a Python file; its first line
+    is its first decorator's, as in its code object. Empty for a file that cannot be read."""
+    try:
+        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    found: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([child.lineno, *(decorator.lineno for decorator in child.decorator_list)])
+                found.append((start, child.end_lineno or child.lineno, prefix + child.name))
+                visit(child, f"{prefix}{child.name}.<locals>.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
+
+
 def location(frame: Frame, repo: Path) -> str:
     """'stages/s04_.../allocator.py:84 in TokenToKVPoolAllocator.alloc_extend' (relative to ``repo``)."""
     filename, line, function = frame
     path = Path(filename).resolve()
-    return f"{path.relative_to(repo) if path.is_relative_to(repo) else path}:{line} in {function}"
+    shown = path.relative_to(repo) if path.is_relative_to(repo) else path
+    return f"{shown}:{line} in {qualified(filename, line, function)}"
 
 
 def course_frames(frames: Iterable[Frame], roots: list[Path], repo: Path) -> list[tuple[str, Frame]]:
@@ -78,9 +121,13 @@ def course_frames(frames: Iterable[Frame], roots: list[Path], repo: Path) -> lis
     its ``location`` and the frame (its file resolved), outermost first."""
     frames = [(str(Path(filename).resolve()), line, function) for filename, line, function in frames]
     for root in roots:
-        found = [(location(frame, repo), frame) for frame in frames if Path(frame[0]).is_relative_to(root)]
-        if found:
-            return found
+        inside = [
+            (path, line, qualified(path, line, function))
+            for path, line, function in frames
+            if Path(path).is_relative_to(root)
+        ]
+        if inside:
+            return [(location(frame, repo), frame) for frame in inside]
     return []
 
 

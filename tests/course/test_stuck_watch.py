@@ -4,6 +4,7 @@ where it is, and a test found where an earlier one got stuck is failed there, no
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stuck_watch import INTERRUPT, StuckTest, StuckWatch
+from stuck_watch import INTERRUPT, StuckTest, StuckWatch, qualname_from_source
 
 LOOPS = """
 def spin(stop):
@@ -196,3 +197,62 @@ def test_a_property_test_stuck_in_a_loop_fails_once_instead_of_shrinking_forever
         f"the looping property test should fail once and the run go on ({took:.0f} s):\n{done.stdout[-2000:]}"
     )
     assert "StuckTest" in done.stdout, done.stdout[-2000:]
+
+
+NESTED = """
+import functools
+
+def plain():
+    pass
+
+class Pool:
+    @functools.lru_cache(maxsize=None)
+    def alloc(self):
+        def helper():
+            return 1
+        return helper()
+
+    class Inner:
+        async def wait(self):
+            pass
+"""
+
+
+def test_python_3_10_reads_qualified_names_from_the_source(tmp_path):
+    # Python 3.10 has no co_qualname: the watch and the "not written yet" note read Class.method
+    # from the file instead, so a learner there sees the names a learner on 3.11+ sees.
+    path = tmp_path / "nested.py"
+    path.write_text(NESTED)
+    lines = NESTED.splitlines()
+    at = {text.strip(): number for number, text in enumerate(lines, start=1)}
+    expected = {
+        ("pass", "plain"): "plain",
+        ("return helper()", "alloc"): "Pool.alloc",
+        ("return 1", "helper"): "Pool.alloc.<locals>.helper",
+        ("@functools.lru_cache(maxsize=None)", "alloc"): "Pool.alloc",  # a decorated function starts there
+        ("async def wait(self):", "wait"): "Pool.Inner.wait",
+        ("return 1", "not_there"): "not_there",
+    }
+    for (text, function), qualname in expected.items():
+        got = qualname_from_source(str(path), at[text], function)
+        assert got == qualname, f"{function} at {text!r}: {got!r}, expected {qualname!r}"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="compares with co_qualname (Python 3.11+)")
+def test_the_names_read_from_the_source_are_pythons_own():
+    from s04_paged_kv_pool import allocator
+    from s06_radix_cache import radix_cache
+
+    compared = 0
+    for module in (allocator, radix_cache):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            for function in vars(cls).values():
+                code = getattr(function, "__code__", None)
+                if code is None or code.co_filename != module.__file__:
+                    continue
+                got = qualname_from_source(code.co_filename, code.co_firstlineno, code.co_name)
+                assert got == code.co_qualname, (
+                    f"{code.co_filename}:{code.co_firstlineno}: {got!r} != {code.co_qualname!r}"
+                )
+                compared += 1
+    assert compared >= 10, f"only {compared} methods compared"
