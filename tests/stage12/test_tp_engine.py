@@ -14,10 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, sampled
 
 from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match
+from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs, sampled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage11"))
 

@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
-from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs
 
 from s12_tensor_parallel.engine import TPEngine
 from s12_tensor_parallel.parallel_state import TPGroupError
+from tp_helpers import KNOBS, PROMPTS, greedy, pid_running, reference_outputs
 
 TIMEOUT_S = 20.0  # the group's collective timeout: a dead rank must be reported well before it
 

@@ -7,10 +7,10 @@ before the next starts), and test_tp_engine.py's groups live until that module e
 from __future__ import annotations
 
 import pytest
-from tp_helpers import KNOBS, greedy, pid_running
 
 from s12_tensor_parallel.engine import TPEngine
 from s12_tensor_parallel.parallel_state import TPGroupError
+from tp_helpers import KNOBS, greedy, pid_running
 
 
 def test_a_forward_rank_0_leaves_midway_stops_the_group(tiny_models_root):

@@ -15,11 +15,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
-from tp_helpers import KNOBS, children_of  # noqa: E402
-
 from reference import engine_model, engine_tokenizer  # noqa: E402
 from s10_overlap_scheduling.engine import OverlapEngine  # noqa: E402
 from serving_helpers import Server, greedy, offline_outputs, stream_concurrently, wait_gone  # noqa: E402
+from tp_helpers import KNOBS, children_of  # noqa: E402
 
 # Each test starts a server with its ranks (half a minute on a busy 2-core machine): the stuck
 # watch says "still running" only after that, not while a correct server is still starting.
