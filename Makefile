@@ -42,8 +42,8 @@ help:
 	@echo "Learners"
 	@echo "  make setup            virtual env in .venv, dependencies, default model (fast when done)"
 	@echo "  make check-env        what this machine has: Python, torch, GPU, model"
-	@echo "  make demo             run the newest finished stage's milestone ($(DEMO_STAGE)): start the"
-	@echo "                       server, stream one chat through the openai client, stop it"
+	@echo "  make demo             run stage 9's milestone ($(DEMO_STAGE)): start the server (stage 11's"
+	@echo "                       engine), stream one chat through the openai client, stop it"
 	@echo "  make serve            the OpenAI-compatible server (reference code; ARGS=\"--port 8000 --model ...\")"
 	@echo "  make stage-N          test YOUR stage N (stages/); REFERENCE_UPTO=K (K < N) borrows stages <= K;"
 	@echo "                       PYTEST_ARGS=\"-k top_p -x\" runs some of its tests, stopping at the first failure;"
@@ -52,7 +52,8 @@ help:
 	@echo "  make run-N            run stage N's milestone with your code (ARGS=\"...\" passes arguments)"
 	@echo "  make solution-N       run stage N's milestone with the reference code"
 	@echo "  make lab              JupyterLab on notebooks/ (localhost), the reference engine; ENGINE_IMPL=stages: yours"
-	@echo "                       (torch uses 1 thread in all of these unless OMP_NUM_THREADS says otherwise)"
+	@echo "                       (torch uses 1 thread in stage-N, upto-N, run-N, solution-N and lab unless"
+	@echo "                       OMP_NUM_THREADS says otherwise; demo and serve use one per physical core)"
 	@echo "Maintainers and instructors"
 	@echo "  make test             everything: lint, reference tests, skeleton sync, fail-proof, notebooks"
 	@echo "                       (TEST_JOBS=2 processes at once, the default; TEST_JOBS=0: one)"
@@ -178,7 +179,7 @@ test-gpu: setup
 	$(MAKE) --no-print-directory gpu-check OUT=$(OUT); first=$$?; \
 	$(MAKE) --no-print-directory gpu-check-full OUT=$(OUT)-full; exit $$(( first || $$? ))
 
-# The offline benchmark (README: "Performance"): workloads a-d, the final engine vs transformers
+# The offline benchmark (README: "Performance"): workloads a-d, stage 8's engine vs transformers
 # and vs its own ceiling. QUICK=1 for a short run. bench-peer adds vLLM's CPU build, in a venv of
 # its own (.venv-peer, created on first use; never part of setup or test).
 bench: setup

@@ -5,7 +5,8 @@ for chunks of new tokens after cached prefixes, side by side.
 Each point is one request whose prefix and new tokens sit in scattered pool slots, as a chunked
 prefill leaves them; the time is the median of ``--repeats`` calls of the backend's ``forward``
 (the new K/V written, then attention), and GFLOP/s counts the causal attention's useful products
-(4 x head_dim multiply-adds per query-key pair that the mask lets through). Nothing is asserted.
+(4 x head_dim FLOPs, i.e. 2 x head_dim multiply-adds for the scores and the weighted values, per
+query-key pair that the mask lets through). Nothing is asserted.
 
     python tools/benchmark_extend.py                                 # SmolLM2-135M's heads
     python tools/benchmark_extend.py --heads 16,8,128                # Qwen3-0.6B's

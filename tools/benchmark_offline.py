@@ -11,7 +11,8 @@ output length, EOS ignored; throughput = output tokens / wall time):
 
 Each system runs every workload after a warm-up, in one process, one after another:
 
-    engine                  the stage's engine (default: stage 8, the engine `make serve` runs)
+    engine                  the stage's engine (default: stage 8, the offline engine without overlap;
+                            --stage 11 is the one `make serve` runs)
     transformers static     generate() on batches of 16, left-padded, each batch to its longest output
     transformers batched    transformers' continuous batching (generate_batch's manager)
     ceiling                 the bare model forward (attention and KV storage taken out) over the

@@ -13,7 +13,7 @@ learner would read first). A mutant is
                 timeout, with a "stuck:" message naming the line it was running)
 
 It prints one line per mutant, the kill rate per stage and every mutant not killed. A full run
-takes about half an hour on a 2-core machine, so CI only checks that every mutant still applies
+takes about 40 minutes on a 2-core machine, so CI only checks that every mutant still applies
 to the current solutions and that every exercise region has one (tests/course/test_mutants.py).
 
     python tools/mutants.py [--stages 5-7] [--only NAME ...]    # `make mutants` runs them all
