@@ -1,5 +1,6 @@
-"""Stage 5 (graded): no KV slot leaks. Finished, aborted and retracted requests give their slots
-and table rows back at once, and after any workload the whole pool is free again."""
+"""Stage 5 (graded): no KV slot leaks. Finished and aborted requests give their slots and table
+rows back at once, and after any workload the whole pool is free again (retracted requests:
+test_continuous_retraction.py)."""
 
 from __future__ import annotations
 

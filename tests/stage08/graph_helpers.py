@@ -56,7 +56,7 @@ def pool_bytes(runner) -> torch.Tensor:
 
 
 def prompts_of(count: int, first: int = 65) -> list[list[int]]:
-    """``count`` prompts of different lengths (3, 5, 7, ... tokens)."""
+    """``count`` prompts of different lengths (3 + 2i mod 11 tokens: 3, 5, ..., 13, then 4, 6, ...)."""
     return [[first + i] + [32 + (7 * i + 3 * j) % 90 for j in range(2 + 2 * i % 11)] for i in range(count)]
 
 

@@ -1,5 +1,5 @@
 """Stage 9 (graded): the guards of a server that hostile, slow or too many clients cannot take
-down. Most run on a tiny server with every guard set tight (conftest.GUARD_LIMITS): an API key,
+down. Most run on a tiny server with every guard set tight (serving_helpers.GUARD_LIMITS): an API key,
 a 64 KiB body cap, two running requests and one queued, 2 s to send headers or a body, 1 s of
 keep-alive, 3 s per request, a 1 s health timeout, 16 connections."""
 

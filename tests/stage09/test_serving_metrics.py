@@ -129,7 +129,7 @@ def test_metrics_count_what_the_clients_got(tiny_server):
     assert cached > 0, "the repeated prompt's tokens came from the radix tree: engine:cached_tokens_total must grow"
     assert change(before, after, "engine:prefill_computed_tokens_total") > 0
     assert change(before, after, "engine:decode_tokens_total") > 0
-    # the 9-token completion alone took 9 passes (a prefill, then a decode per token)
+    # the 9-token completion alone took 9 passes (a prefill, then a decode for each later token)
     assert change(before, after, "engine:forward_passes_total") >= 9
     total = after["engine:cached_tokens_total"] + after["engine:prefill_computed_tokens_total"]
     assert after["engine:cache_hit_rate"] == pytest.approx(after["engine:cached_tokens_total"] / total), (

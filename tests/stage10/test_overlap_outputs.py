@@ -34,7 +34,7 @@ def test_greedy_tokens_identical_to_transformers(tiny_model_dir, disable_overlap
 
 
 def mixed_workload():
-    """Greedy and seeded requests of assorted lengths, one of them sharing a prefix with others."""
+    """Greedy and seeded requests of assorted lengths, three of them sharing a 19-token prefix."""
     shared = random_prompt(19, seed=5)
     prompts = [random_prompt(n, seed=40 + n) for n in (3, 30, 11, 1)] + [
         shared + random_prompt(n, seed=n) for n in (2, 13, 7)
