@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from impl_switch import SWITCH_VARS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,21 +163,35 @@ def test_a_failure_on_a_live_server_keeps_its_message_and_names_the_servers_log(
     assert "its log, with any traceback from its processes: " in section, out[-3000:]
 
 
-def test_an_exercise_not_written_in_a_server_is_named_as_the_cause(tmp_path):
-    """stream_chunks left unwritten raises in the API server's process: the test sees only a
-    stream cut short. The summary line starts with the exercise's place, read from the server's
-    log, and the end-of-run list of exercises not written yet holds it."""
+@pytest.mark.parametrize(
+    "file, before, function",
+    [
+        ("api_server.py", "    # BEGIN EXERCISE: the stream's chunks", "stream_chunks"),
+        (
+            "scheduler_process.py",
+            "        # BEGIN EXERCISE: add a tokenized request to the engine",
+            "SchedulerProcess.handle_generate_request",
+        ),
+    ],
+    ids=["in the API server", "a method, in the scheduler"],
+)
+def test_an_exercise_not_written_in_a_server_is_named_as_the_cause(tmp_path, file, before, function):
+    """An exercise left unwritten raises in a server's process (the API server's stream_chunks, the
+    scheduler's handle_generate_request): the test sees only a stream cut short or a 500. The
+    summary line starts with the exercise's place, read from the server's log, with a method's
+    class as in a test that calls it directly, and the end-of-run list of exercises not written
+    yet holds it."""
+    indent = before[: len(before) - len(before.lstrip())]
     stages = reference_with(
         tmp_path,
-        "s09_zmq_serving/api_server.py",
-        "    # BEGIN EXERCISE: the stream's chunks",
-        "    raise NotImplementedError('Stage 9: the stream (planted by this test)')\n"
-        "    # BEGIN EXERCISE: the stream's chunks",
+        f"s09_zmq_serving/{file}",
+        before,
+        f"{indent}raise NotImplementedError('Stage 9: planted by this test')\n{before}",
     )
     test = "tests/stage09/test_serving_openai.py::test_a_stream_has_a_usage_chunk_only_when_asked[chat]"
     out = learner_run(test, reference_upto=8, stages_dir=stages, columns=400)
-    where = f"{stages / 's09_zmq_serving' / 'api_server.py'}:"
+    where = f"{stages / 's09_zmq_serving' / file}:"
     assert f"FAILED {test} - not written yet: {where}" in out, out[-3000:]
     summary = out[out.index(" exercises not written yet ") :]
-    assert re.search(rf"1 test\(s\) stop at {re.escape(where)}\d+ in stream_chunks", summary), out[-3000:]
-    assert "-> Stage 9: the stream (planted by this test)" in summary, out[-3000:]
+    assert re.search(rf"1 test\(s\) stop at {re.escape(where)}\d+ in {re.escape(function)}\n", summary), out[-3000:]
+    assert "-> Stage 9: planted by this test" in summary, out[-3000:]

@@ -28,7 +28,7 @@ from s02_request_and_sampling.sampling_params import SamplingParams
 from s08_cuda_graph.engine import CudaGraphEngine  # the engine these servers run (SERVED_ENGINE)
 from s09_zmq_serving.server_process import ServerProcess
 from soak_serving import stream_problems
-from stuck_watch import timed_out_after
+from stuck_watch import qualname_from_source, timed_out_after
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_SERVER_START_TIMEOUT", "240"))
 PIDS_LINE = re.compile(r"pids (\{.*?\})\); Ctrl-C")  # the launcher's startup line
@@ -136,11 +136,14 @@ class Server:
 
     def unwritten_exercise(self) -> tuple[tuple[str, int, str], str] | None:
         """The first exercise not written yet that raised in one of the server's processes since
-        ``mark_log``: the frame that raised it (file, line, function) and its message; else None."""
+        ``mark_log``: the frame that raised it (file, line, function) and its message; else None.
+        A traceback's text names a method without its class on every Python, so the class comes
+        from the source: the exercise reads as the tests in this process name it."""
         frame = None
         for line in self.log_text(self.log_mark).splitlines():
             if found := TRACEBACK_FRAME.match(line):
-                frame = (found[1], int(found[2]), found[3])
+                filename, number = found[1], int(found[2])
+                frame = (filename, number, qualname_from_source(filename, number, found[3]))
             elif line.startswith("NotImplementedError: Stage ") and frame is not None:
                 return frame, line.removeprefix("NotImplementedError: ")
         return None
