@@ -6,6 +6,7 @@ nothing here depends on pytest's console output.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -64,7 +65,8 @@ def run_pytest(
     ``timeout_s`` the run is interrupted as Ctrl-C would (pytest then writes its report of the
     tests that ran), and killed with every process it started (a server, a rank) if it is still
     there STOP_GRACE_S later: a loop the tests' own limits cannot stop (one at import time, in a
-    fixture) holds no one forever."""
+    fixture) holds no one forever. Ctrl-C here (the run's own session does not get the terminal's)
+    kills the run and all it started, and goes on up as KeyboardInterrupt."""
     with contextlib.ExitStack() as stack:
         if junit is None:
             junit = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "junit.xml"
@@ -95,6 +97,9 @@ def run_pytest(
         except subprocess.TimeoutExpired:
             timed_out = True
             output = stop(child)
+        except BaseException:
+            kill(child)
+            raise
         outcomes = read_junit(junit) if junit.is_file() else {}
     return Run(outcomes, child.returncode, output, timed_out)
 
@@ -105,17 +110,24 @@ STOP_GRACE_S = 30  # how long a run interrupted at its time limit has to write i
 def stop(child: subprocess.Popen) -> str:
     """Interrupt a run started in its own session (Ctrl-C: pytest ends the session and writes its
     report), kill it and everything it started if it is still there STOP_GRACE_S later; its output."""
-    if not hasattr(os, "killpg"):  # Windows: no process groups
-        child.kill()
-    else:
+    if hasattr(os, "killpg"):  # (Windows has no process groups: kill() alone)
         os.killpg(child.pid, signal.SIGINT)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.communicate(timeout=STOP_GRACE_S)
-        with contextlib.suppress(ProcessLookupError):  # whatever it started may still run: a server, a rank
-            os.killpg(child.pid, signal.SIGKILL)
+    kill(child)
     # All of its output, whichever way the wait above ended: communicate() keeps what it read
     # before a timeout, and once the process is done it returns the same output again.
     return child.communicate()[0]
+
+
+def kill(child: subprocess.Popen) -> None:
+    """Kill a run started in its own session and everything it started (a server, a rank)."""
+    if not hasattr(os, "killpg"):
+        child.kill()
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    child.wait()  # (no zombie left)
 
 
 def collect(paths: list[str], env: dict[str, str], root: Path = REPO) -> list[str]:
@@ -141,9 +153,17 @@ def stage_of(test: str) -> int | None:
 
 
 def parse_stages(text: str) -> set[int]:
-    """'1-4' or '1,3,5-6' -> {1, 2, 3, 4} ..."""
+    """'1-4' or '1,3,5-6' -> {1, 2, 3, 4} ... (argparse shows the ArgumentTypeError's message)."""
     stages: set[int] = set()
     for part in filter(None, text.replace(" ", "").split(",")):
         low, _, high = part.partition("-")
-        stages.update(range(int(low), int(high or low) + 1))
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            first = last = -1
+        if not 0 <= first <= last:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a stage or a range of stages: give numbers and ranges, e.g. 4, 1-4 or 1,3,5-6"
+            )
+        stages.update(range(first, last + 1))
     return stages

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -148,8 +151,10 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     empty.mkdir()
     reports = tmp_path / "reports"
 
-    done = grade(course, reports, str(finished), str(untouched), str(broken), str(empty))
+    done = grade(course, reports, str(finished), str(untouched), str(broken), str(empty), f"{finished}/")
     assert done.returncode == 1, f"a checkout that could not be graded makes the exit status 1:\n{done.stdout}"
+    assert f"{finished} is named 2 times: it is graded once" in done.stdout, done.stdout
+    assert done.stdout.count(f"== {finished}\n") == 1 and not (reports / "finished-2.xml").exists(), done.stdout
     tables = {block.split("\n", 1)[0].strip(): block for block in done.stdout.split("== ")[1:]}
 
     def score(name, stage):
@@ -166,6 +171,10 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     assert next(line for line in broken_rows.splitlines() if line.split()[:1] == ["2"]).split()[3] == "1", broken_rows
     assert "(at stages/s02_mul/__init__.py:1)" in broken_rows, f"the first error says where:\n{broken_rows}"
     assert "first error:" not in tables[str(tmp_path / "untouched")], "failing tests are not errors"
+    assert (
+        "stage 1, first failure: test_add::test_add: NotImplementedError: Stage 1: return the sum"
+        in (tables[str(tmp_path / "untouched")])
+    ), f"a stage whose tests ran and failed names its first failure:\n{tables[str(tmp_path / 'untouched')]}"
     assert "no stages/ folder" in tables[str(empty)]
     untouched_row = next(line for line in tables[str(untouched)].splitlines() if line.split()[:1] == ["1"])
     assert untouched_row.split()[2:6] == ["1", "0", "1", "1"], (
@@ -189,6 +198,7 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
         "seconds": 0,
         "problem": None,
         "first_error": None,
+        "first_failure": None,
     }, by_name["finished"]
     assert "no stages/ folder" in by_name["empty"]["problem"]
     rows = list(csv.DictReader((reports / "summary.csv").open()))
@@ -202,6 +212,16 @@ def test_grade_scores_each_checkout_and_writes_junit(course, tmp_path):
     cases = {c.get("name"): c for c in ET.parse(reports / "finished.xml").iter("testcase")}
     assert cases["test_add"].find("failure") is None and cases["test_skipped"].find("skipped") is not None
     assert ET.parse(reports / "empty.xml").find(".//error") is not None
+    suites = {suite.get("name"): suite for suite in ET.parse(reports / "broken.xml").iter("testsuite")}
+    assert list(suites) == ["stage01", "stage02"], f"a test suite per stage, named after it: {list(suites)}"
+    stage2 = suites["stage02"]
+    assert stage2.find("properties/property[@name='checkout']").get("value") == str(broken)
+    mul = [case for case in stage2.iter("testcase") if case.get("classname") == "tests.stage02.test_mul"]
+    assert len(mul) == 1 and mul[0].find("error").get("message").startswith("not run: its module did not import"), (
+        "a test that never ran (its module did not import) is in the report as an error, as the table counts it"
+    )
+    tests = [case for case in stage2.iter("testcase") if case.get("classname")]  # (not the module's own error)
+    assert len(tests) == 1 and stage2.get("errors") == str(len(list(stage2.iter("error")))), ET.tostring(stage2)
 
 
 def test_isolated_grading_scores_each_stage_on_the_reference_before_it(course, tmp_path):
@@ -228,22 +248,118 @@ def test_isolated_grading_scores_each_stage_on_the_reference_before_it(course, t
     assert not list(reports.glob("half.stage*.xml")), "the per-stage parts are merged away"
 
 
-def test_a_stage_that_never_ends_or_a_missing_folder_costs_only_itself(course, tmp_path):
+def test_a_stage_that_never_ends_or_ends_its_process_or_a_missing_folder_costs_only_itself(course, tmp_path):
     # stage 2's module loops at import time, where no test's own limit reaches; isolated scoring
-    # grades stage 1 anyway, and stage 2 is stopped at --stage-timeout with its test as an error
-    looping = tmp_path / "looping"
+    # grades stage 1 anyway, and stage 2 is stopped at --stage-timeout with its test as an error,
+    # said where it was. Another checkout's mul ends pytest's process: its test is named.
+    looping, exits = tmp_path / "looping", tmp_path / "exits"
     shutil.copytree(course / "solutions", looping / "stages")
     (looping / "stages" / "s02_mul" / "__init__.py").write_text("while True:\n    pass\n")
+    shutil.copytree(course / "solutions", exits / "stages")
+    mul = exits / "stages" / "s02_mul" / "__init__.py"
+    mul.write_text(mul.read_text().replace("    total = 0\n", "    import os\n\n    os._exit(0)\n    total = 0\n"))
     reports = tmp_path / "reports"
     started = time.monotonic()
-    done = grade(course, reports, "--isolated", "--stage-timeout", "10", str(looping), str(tmp_path / "nobody"))
+    done = grade(
+        course, reports, "--isolated", "--stage-timeout", "10", str(looping), str(exits), str(tmp_path / "nobody")
+    )
     took = time.monotonic() - started
     assert done.returncode == 1 and took < 120, f"({took:.0f} s)\n{done.stdout}\n{done.stderr}"
+    tables = {block.split("\n", 1)[0].strip(): block for block in done.stdout.split("== ")[1:]}
     rows = {
-        line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])
+        line.split()[0]: line.split()[1:]
+        for line in tables[str(looping)].splitlines()
+        if line.split()[:1] in (["1"], ["2"])
     }
     assert rows["1"][0] == "2/3" and rows["2"][:3] == ["0/1", "0", "1"], rows
-    assert "stage 2's run was stopped after 10 s" in done.stdout, done.stdout
+    assert re.search(
+        r"stage 2's run was stopped after 10 s \(--stage-timeout\) at stages/s02_mul/__init__.py:\d", done.stdout
+    ), f"a run stopped at its limit says where it was:\n{done.stdout}"
+    assert (
+        "stage 2's pytest exited 0 without a report, while tests/stage02/test_mul.py::test_mul ran"
+        in tables[str(exits)]
+    ), f"a run that ended its own process names the test it was running:\n{done.stdout}"
     assert "does not exist" in done.stdout, done.stdout
     summary = {c["name"]: c for c in json.loads((reports / "summary.json").read_text())["checkouts"]}
     assert "stopped after 10 s" in summary["looping"]["problem"] and "does not exist" in summary["nobody"]["problem"]
+    for name, why in (
+        ("looping", "not run: stage 2's run was stopped at its time limit"),
+        ("exits", "not run: stage 2's"),
+    ):
+        errors = [case.find("error") for case in ET.parse(reports / f"{name}.xml").iter("testcase")]
+        assert [error.get("message")[: len(why)] for error in errors if error is not None] == [why], name
+    rows = [r for r in csv.DictReader((reports / "summary.csv").open()) if r["name"] == "nobody"]
+    assert [(r["stage"], r["passed"], r["total"]) for r in rows] == [("1", "0", "3"), ("2", "0", "1")], (
+        f"a checkout not graded has a row per stage with its total, so a sheet's sums hold it: {rows}"
+    )
+
+
+def test_ctrl_c_stops_the_grading_and_the_stages_run(course, tmp_path):
+    """grade.py runs each stage's pytest in a session of its own (so a stopped run can be killed
+    with all it started), which the terminal's Ctrl-C does not reach: grade.py must stop it."""
+    looping = tmp_path / "looping"
+    shutil.copytree(course / "solutions", looping / "stages")
+    pid_file = tmp_path / "pytest.pid"
+    (looping / "stages" / "s02_mul" / "__init__.py").write_text(
+        f"import os\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nwhile True:\n    pass\n"
+    )
+    command = [sys.executable, str(TOOLS / "grade.py"), "--root", str(course), "--junit-dir", str(tmp_path / "r")]
+    grading = subprocess.Popen(
+        [*command, "--stages", "2", str(looping)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.is_file(), "stage 2's run never started"
+    grading.send_signal(signal.SIGINT)
+    out, _ = grading.communicate(timeout=30)
+    assert grading.returncode == 130 and "interrupted: grading stopped" in out, out
+    assert "Traceback" not in out, out
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # stage 2's pytest is gone (killed and reaped)
+
+
+def test_a_checkout_that_changes_the_graders_files_stops_the_grading(course, tmp_path):
+    """A learner's code runs with the grader's rights in its repository: a test file it wrote
+    there (a conftest.py that passes everything, say) would change its own and every later
+    checkout's score. The grader notices, says what changed, and grades no one after it."""
+    writer, later = tmp_path / "writer", tmp_path / "later"
+    shutil.copytree(course / "solutions", writer / "stages")
+    shutil.copytree(course / "solutions", later / "stages")
+    planted = course / "tests" / "stage01" / "planted.txt"
+    add = writer / "stages" / "s01_add" / "__init__.py"
+    add.write_text(f"open({str(planted)!r}, 'w').write('x')\n" + add.read_text())
+    try:
+        done = grade(course, tmp_path / "r", "--stages", "1", str(writer), str(later))
+    finally:
+        planted.unlink(missing_ok=True)
+    assert done.returncode == 1, done.stdout
+    assert "stage 1's run changed this repository's own files (added tests/stage01/planted.txt)" in done.stdout, (
+        done.stdout
+    )
+    assert f"not graded: grading stopped: {writer}'s code changed this repository's own files" in done.stdout, (
+        done.stdout
+    )
+
+
+def test_checkouts_of_the_same_folder_name_get_report_names_that_tell_them_apart():
+    from grade import report_names
+
+    checkouts = [Path("/class/alice/engine-course"), Path("/class/bob/engine-course"), Path("/class/carol/mine")]
+    assert report_names(checkouts) == ["alice-engine-course", "bob-engine-course", "mine"]
+    # whole paths that read the same once joined with "-": a number tells them apart
+    same = [Path("/a-b/c"), Path("/z/c"), Path("/a/b-c"), Path("/y/b-c")]
+    assert report_names(same) == ["a-b-c", "z-c", "a-b-c-2", "y-b-c"]
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--stages", "x", "'x' is not a stage or a range of stages: give numbers and ranges, e.g. 4, 1-4"),
+        ("--stages", "3-1", "'3-1' is not a stage or a range of stages"),
+        ("--stage-timeout", "0", "'0': give the seconds a stage's run may take, a number above 0"),
+    ],
+)
+def test_a_wrong_option_says_what_is_allowed(course, tmp_path, flag, value, said):
+    done = grade(course, tmp_path, flag, value)
+    assert done.returncode == 2 and said in done.stderr, done.stdout + done.stderr
