@@ -247,16 +247,15 @@ def grade_stage(
     )
     part.unlink(missing_ok=True)  # an earlier grading's, which a run that writes none would leave to be read
     start = time.perf_counter()
-    run = run_pytest(
-        [str(tests)], env, junit=part, root=root, timeout_s=timeout_s, extra=("--verbosity=1",)
-    )  # (names each test as it starts)
+    verbose = ("--verbosity=1",)  # pytest names each test as it starts: what a run that ended itself was running
+    run = run_pytest([str(tests)], env, junit=part, root=root, timeout_s=timeout_s, extra=verbose)
     score = StageScore(n, len(expected), seconds=time.perf_counter() - start)
     if run.timed_out:
         at = stopped_where(run.output, checkout, root)
-        score.problem = f"stage {n}'s run was stopped after {timeout_s:g} s (--stage-timeout)" + (
-            f" at {at}"
-            if at
-            else ": a loop that never ends where no test's own limit reaches (at import time, in a fixture)?"
+        score.problem = (
+            f"stage {n}'s run was stopped after {timeout_s:g} s (--stage-timeout)"
+            + (f" at {at}" if at else ": a loop that never ends where no test's own limit reaches (at import time?)")
+            + "; its tests that had not run count as errors"
         )
         why = f"stage {n}'s run was stopped at its time limit (--stage-timeout {timeout_s:g})"
     elif not part.is_file():
@@ -450,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     reference_env = child_env(ENGINE_IMPL="solutions", ENGINE_SOLUTIONS_DIR=str(root / "solutions"))
     expected: dict[int, list[str]] = {n: [] for n in stages}
     for test in collect([str(test_dirs[n]) for n in stages], reference_env, root=root):
-        expected[stage_of(test) or 0].append(junit_id(test))
+        if (n := stage_of(test)) in expected:
+            expected[n].append(junit_id(test))
     missing = [n for n in stages if not expected[n]]
     if missing:
         print(f"this repository's tests of stage(s) {missing} do not collect on the reference: fix that first")
