@@ -987,6 +987,36 @@ MUTANTS: list[Mutant] = [
         ),
         r"prefill_len gives it",
     ),
+    Mutant(
+        "s05-room-counts-free-slots-only",
+        "s05_continuous_batching/scheduler.py",
+        "admission's room is available_slots(): the free slots plus those the prefix cache can evict",
+        edit(
+            "            room = self.available_slots() - reserved\n",
+            "            room = self.runner.allocator.available_size() - reserved\n",
+        ),
+        r"available_slots\(\) \(free slots plus prefix_cache.evictable_size\(\)\)",
+    ),
+    Mutant(
+        "s05-retract-while-free-slots-short",
+        "s05_continuous_batching/scheduler.py",
+        "retraction stops once the pass fits the room, the prefix cache's evictable slots included",
+        edit(
+            "while len(self.running) > 1 and self.next_pass_slots(self.running) > self.available_slots():",
+            "while len(self.running) > 1 and self.next_pass_slots(self.running) > self.runner.allocator.available_size():",  # noqa: E501
+        ),
+        r"slots the prefix cache can evict are room too",
+    ),
+    Mutant(
+        "s05-retract-off-by-one",
+        "s05_continuous_batching/scheduler.py",
+        "retraction stops once the pass fits: a pass that needs exactly the room left fits",
+        edit(
+            "while len(self.running) > 1 and self.next_pass_slots(self.running) > self.available_slots():",
+            "while len(self.running) > 1 and self.next_pass_slots(self.running) >= self.available_slots():",
+        ),
+        r"needs exactly the room left fits",
+    ),
     # --- stage 6: the radix cache -------------------------------------------------------------
     Mutant(
         "s06-evict-a-parent-with-children",

@@ -322,13 +322,15 @@ class Scheduler:
             "nothing running will free more"
             if need > free
             else "so it fits, yet admission admitted no one. With nothing running, the first in line is admitted "
-            "whenever its prefill fits: even when it is longer than the step's prefill budget (it is then the step's "
-            "only prefill), whatever its later tokens will need. And admit_new_requests returns the requests it "
-            "started (stage 7: the half-prefilled request's next chunk first)"
+            "whenever its prefill fits the room, available_slots() (the prefix cache's evictable slots count: they are "
+            "given back on demand): even when it is longer than the step's prefill budget (it is then the step's only "
+            "prefill), whatever its later tokens will need. And admit_new_requests returns the requests it started "
+            "(stage 7: the half-prefilled request's next chunk first)"
         )
         return RuntimeError(
             f"nothing can run: request {head.rid} is first in line and its prefill needs {need} KV slots, {free} of "
-            f"{self.runner.allocator.size} are free; {why}"
+            f"{self.runner.allocator.size} are available ({self.runner.allocator.available_size()} free, the rest "
+            f"held by the prefix cache and evictable); {why}"
         )
 
     def record_step(

@@ -166,12 +166,17 @@ def test_trace_prints_one_line_per_step(tiny_models_root, capsys):
     )
 
 
+def queue_and_admit(scheduler, reqs) -> list:
+    """Queue ``reqs`` and run one admission; returns the admitted requests' ids."""
+    for req in reqs:
+        scheduler.add_request(req)
+    return [req.rid for req in scheduler.admit_new_requests()]
+
+
 def admit_only_the_first(scheduler, reqs, why: str) -> None:
     """Queue ``reqs`` and run one admission: only the first may be admitted (``why`` says why)."""
     __tracebackhide__ = True
-    for req in reqs:
-        scheduler.add_request(req)
-    admitted = [req.rid for req in scheduler.admit_new_requests()]
+    admitted = queue_and_admit(scheduler, reqs)
     assert admitted == [reqs[0].rid], f"admitted {admitted}, expected only request {reqs[0].rid}{why}"
     waiting = [req.rid for req in scheduler.waiting]
     assert waiting == [req.rid for req in reqs[1:]], f"the others should still wait in order, the queue is {waiting}"
@@ -243,6 +248,25 @@ def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_mode
     assert cache.locks == 0, (
         f"the cached prefix is still locked {cache.locks} time(s), but no admitted request reads it: "
         "undo the lock taken to measure the room (unlock) whether or not the request is admitted"
+    )
+
+
+def test_admission_counts_what_the_prefix_cache_could_evict_as_room(tiny_models_root):
+    # Pool of 80 slots; the cache holds a 16-token prefix no request here reads (free: 64,
+    # evictable: 16). Request 0 (8 tokens) is admitted first; request 1 (60 tokens, no match)
+    # needs 60 fresh slots. The room is 64 free + 16 evictable - 8 kept for request 0 = 72: it fits.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=80, max_running_requests=4, max_context_len=128)
+    cache = OnePrefixCache(runner.allocator, list(range(40, 56)))
+    scheduler = Scheduler(runner, prefix_cache=cache, new_token_ratio=0.0)
+    admitted = queue_and_admit(
+        scheduler, [Req(0, list(b"no match"), greedy(2)), Req(1, [60 + i % 40 for i in range(60)], greedy(1))]
+    )
+    assert admitted == [0, 1], (
+        f"admitted {admitted}, expected [0, 1]: request 1 needs 60 fresh slots, and the room is 72 (64 free + 16 the "
+        "prefix cache holds for nobody, which it gives back on demand, - 8 kept for request 0). Count the room from "
+        "available_slots() (free slots plus prefix_cache.evictable_size()), not from the allocator's free slots "
+        "alone: otherwise a pool full of cached K/V admits nobody"
     )
 
 
@@ -326,9 +350,7 @@ def test_admission_gives_a_request_the_pass_prefill_len_chose(tiny_models_root):
     runner = ModelRunner(model, pool_size=64, max_running_requests=4, max_context_len=128)
     scheduler = FivePerPass(runner, new_token_ratio=1.0)
     reqs = [Req(0, list(b"four"), greedy(2)), Req(1, list(b"y" * 60), greedy(1))]
-    for req in reqs:
-        scheduler.add_request(req)
-    admitted = [req.rid for req in scheduler.admit_new_requests()]
+    admitted = queue_and_admit(scheduler, reqs)
     assert admitted == [0, 1], (
         f"admitted {admitted}: request 1's first pass is 5 tokens (self.prefill_len, which this test's scheduler "
         "caps at 5), and 5 slots fit the 59 left after request 0; count a new request's prefill from the pass "
@@ -349,9 +371,9 @@ def test_a_request_that_needs_exactly_the_room_left_is_admitted(tiny_models_root
     runner = ModelRunner(model, pool_size=32, max_running_requests=4, max_context_len=128)
     scheduler = Scheduler(runner, new_token_ratio=1.0)
     room = scheduler.available_slots() - 9
-    for req in (Req(0, list(b"8 tokens"), greedy(2)), Req(1, list(b"z" * room), greedy(1)), Req(2, [7], greedy(1))):
-        scheduler.add_request(req)
-    admitted = [req.rid for req in scheduler.admit_new_requests()]
+    admitted = queue_and_admit(
+        scheduler, [Req(0, list(b"8 tokens"), greedy(2)), Req(1, list(b"z" * room), greedy(1)), Req(2, [7], greedy(1))]
+    )
     assert admitted == [0, 1], (
         f"admitted {admitted}, expected [0, 1]: after request 0 (9 slots with its future) {room} slots are left, "
         f"and request 1 needs exactly {room} (its prompt; no future at max_new_tokens=1). A request fits when its "

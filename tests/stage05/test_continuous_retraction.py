@@ -216,3 +216,102 @@ def test_a_pool_that_cannot_serve_even_one_request_raises_instead_of_hanging(tin
         "when nothing runs and the first waiting request's prefill does not fit, nothing will ever free a slot: step() "
         f"must raise a RuntimeError that talks about KV slots instead of looping; got {error!r}"
     )
+
+
+class KeepsLeaversKV(NoPrefixCache):
+    """A stand-in prefix cache (stage 6's tree behaves the same way here): it keeps the K/V of a
+    leaving request offered with insert, matches nothing, and gives the oldest back when a pass is
+    short of free slots. What it keeps is evictable: room the scheduler counts (available_slots),
+    though not free."""
+
+    def __init__(self, allocator):
+        super().__init__(allocator)
+        self.kept: list[torch.Tensor] = []  # oldest first
+
+    def cache_finished_req(self, token_ids, slots, match, insert):
+        if insert:
+            self.kept.append(slots.clone())
+        else:
+            self.allocator.free(slots)
+
+    def evictable_size(self) -> int:
+        return sum(len(slots) for slots in self.kept)
+
+    def evict(self, num_tokens: int) -> int:
+        freed = 0
+        while freed < num_tokens and self.kept:
+            slots = self.kept.pop(0)
+            self.allocator.free(slots)
+            freed += len(slots)
+        return freed
+
+    def cached_slots(self) -> torch.Tensor:
+        return torch.cat(self.kept) if self.kept else torch.empty(0, dtype=torch.int64)
+
+
+def watch_retractions(scheduler) -> list[str]:
+    """Record, for each request retract_for_decode releases, why it was not needed: the next pass
+    of the requests running then (it included) fit the room. Returns the (growing) list."""
+    needless, retracting = [], []
+    retract, release = scheduler.retract_for_decode, scheduler.release_req
+
+    def retract_for_decode():
+        retracting.append(True)
+        try:
+            return retract()
+        finally:
+            retracting.pop()
+
+    def release_req(req, why):
+        if retracting:
+            running = [other for other in scheduler.running if other is not req] + [req]
+            need, room = scheduler.next_pass_slots(running), scheduler.available_slots()
+            if need <= room:
+                free = scheduler.runner.allocator.available_size()
+                hint = (
+                    "the slots the prefix cache can evict are room too (available_slots() counts them, as admission "
+                    "does), not only the allocator's free ones"
+                    if need > free
+                    else "a pass that needs exactly the room left fits"
+                )
+                needless.append(
+                    f"request {req.rid} was retracted while the next pass of the {len(running)} requests running "
+                    f"then (it among them) needed {need} KV slots and {room} were available ({free} free + "
+                    f"{room - free} the prefix cache can evict): {hint}"
+                )
+        release(req, why)
+
+    scheduler.retract_for_decode, scheduler.release_req = retract_for_decode, release_req
+    return needless
+
+
+@pytest.mark.parametrize("pool_size", [104, 128])
+@pytest.mark.parametrize("cache", ["none", "keeps leavers' K/V"])
+def test_retraction_stops_as_soon_as_the_pass_fits(tiny_models_root, pool_size, cache):
+    # The retraction workload on two pools: on 104 slots a pass comes to need exactly the room
+    # left. With the stand-in cache, leaving requests' K/V stay in the pool as evictable room: a
+    # retracted request's too (stage 6 keeps them so), so retracting frees no slot, it adds room.
+    path = tiny_models_root / "llama3"
+    prompts, limits = retraction_workload()
+    engine, _, _ = tiny_engine(path, pool_size=pool_size, max_running_requests=8, new_token_ratio=0.0)
+    scheduler = engine.scheduler
+    if cache != "none":
+        scheduler.prefix_cache = KeepsLeaversKV(engine.runner.allocator)
+        scheduler.keep_kv_of = frozenset({"finished", "retracted", "aborted"})
+    needless = watch_retractions(scheduler)
+    for p, n in zip(prompts, limits):
+        engine.add_request(p, greedy(n))
+    steps = 0
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            assert not needless, (
+                f"{pool_size}-slot pool, prefix cache: {cache}; step {steps}: {needless[0]}. Retract only while the "
+                "pass does not fit: while next_pass_slots(running) > available_slots()"
+            )
+            scheduler.check_invariants()
+            assert steps < 2_000, f"the engine still has work after {steps} steps: is a request stuck?"
+    assert scheduler.stats.num_retractions > 0, (
+        f"{pool_size}-slot pool, prefix cache: {cache}: this workload should force retractions (none happened)"
+    )
