@@ -1195,6 +1195,32 @@ MUTANTS: list[Mutant] = [
         ),
         r"page",
     ),
+    Mutant(
+        "s06-evict-heap-not-heapified",
+        "s06_radix_cache/radix_cache.py",
+        "the least recently used leaf is evicted first: the leaves form a heap (heapify) before the first pop",
+        edit("        heapq.heapify(heap)\n", ""),
+        r"least recently used leaf first",
+    ),
+    Mutant(
+        "s06-evict-one-leaf-too-many",
+        "s06_radix_cache/radix_cache.py",
+        "eviction stops as soon as it has freed num_tokens slots",
+        edit("        while evicted < num_tokens and heap:\n", "        while evicted <= num_tokens and heap:\n"),
+        r"evicted < num_tokens",
+    ),
+    Mutant(
+        "s06-insert-path-not-touched",
+        "s06_radix_cache/radix_cache.py",
+        "insert touches every node it walks through: what a request just finished with is the most recently used",
+        edit(
+            "            self._touch(child)\n            n = self._match_len(child.key, key)\n"
+            "            if n < len(child.key):\n                child = self._split_node(child, n)",
+            "            n = self._match_len(child.key, key)\n            if n < len(child.key):\n"
+            "                child = self._split_node(child, n)",
+        ),
+        r"insert touches every node",
+    ),
     # --- stage 7: chunked prefill -------------------------------------------------------------
     Mutant(
         "s07-no-chunking",

@@ -29,6 +29,16 @@ def finish(cache, allocator, tokens, insert=True):
     return slots
 
 
+def tree_with(*sequences):
+    """(allocator, cache): a 64-slot pool and a radix cache into which each of ``sequences`` was
+    computed and finished, in this order."""
+    allocator = TokenToKVPoolAllocator(64)
+    cache = watch_evict(RadixCache(allocator))
+    for tokens in sequences:
+        finish(cache, allocator, tokens)
+    return allocator, cache
+
+
 def test_match_returns_the_longest_prefix_and_its_slots():
     allocator = TokenToKVPoolAllocator(64)
     cache = watch_evict(RadixCache(allocator))
@@ -142,6 +152,56 @@ def test_locked_nodes_survive_eviction_and_lru_goes_first():
     )
     cache.unlock(locked)
     assert cache.evict(100) == 3 and cache.total_size() == 0 and allocator.available_size() == allocator.size
+    cache.check()
+
+
+def test_leaves_are_evicted_in_order_of_last_use():
+    _, cache = tree_with([1, 1], [2, 2], [3, 3], [4, 4])
+    used = [3, 1, 4, 2]  # the order of last use, which is neither insertion order nor the tree's
+    for token in used:
+        cache.match_prefix([token] * 2)
+    order = []
+    while cache.total_size():
+        before = {child.key[0] for child in cache.root.children.values()}
+        assert cache.evict(1) == 2, "evict(1) should free one 2-token leaf"
+        order += sorted(before - {child.key[0] for child in cache.root.children.values()})
+    assert order == used, (
+        f"four unlocked leaves [k, k], last used in the order {used}; evicting one at a time freed them in the order "
+        f"{order}. evict frees the least recently used leaf first: a heap ordered by last_access_time (TreeNode's "
+        "__lt__), built with heapq.heapify (a plain list is not a heap until then) and emptied with heapq.heappop"
+    )
+    cache.check()
+
+
+def test_eviction_stops_once_it_has_freed_enough():
+    _, cache = tree_with([1, 1, 1], [2, 2, 2])
+    freed = cache.evict(3)
+    keys = [child.key for child in cache.root.children.values()]
+    assert freed == 3 and keys == [[2, 2, 2]], (
+        f"the tree holds two unlocked 3-token leaves, [1, 1, 1] the older; evict(3) should free [1, 1, 1] and stop, "
+        f"3 slots being enough; it freed {freed}, leaving {keys}. Evict only while fewer than num_tokens are freed "
+        "(evicted < num_tokens): every leaf evicted beyond that is K/V a later request could have reused"
+    )
+    cache.check()
+
+
+def test_insert_counts_the_path_it_walks_as_used():
+    # A request reads [1, 2, 3, 4] (match, at time 1); [9, 9] is inserted (time 2); then the
+    # request finishes and inserts its tokens, walking [1, 2, 3, 4] again (time 3): that path is
+    # now the most recently used, and [9, 9] goes first.
+    allocator, cache = tree_with([1, 2, 3, 4])
+    match = cache.match_prefix([1, 2, 3, 4])
+    cache.lock(match)
+    finish(cache, allocator, [9, 9])
+    cache.cache_finished_req([1, 2, 3, 4], match.slots, match, True)
+    freed = cache.evict(1)
+    keys = [child.key for child in cache.root.children.values()]
+    assert freed == 2 and keys == [[1, 2, 3, 4]], (
+        "a request matched [1, 2, 3, 4], then [9, 9] was inserted, then that request finished and inserted [1, 2, 3, "
+        f"4] again: evict(1) should free [9, 9], the least recently used; it freed {freed}, leaving {keys}. insert "
+        "touches every node it walks through (_touch, as match_prefix does): the K/V a request just finished with "
+        "is the most recently used"
+    )
     cache.check()
 
 
