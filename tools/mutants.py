@@ -1893,6 +1893,31 @@ MUTANTS: list[Mutant] = [
         ),
         r"future|negative|resolve",
     ),
+    Mutant(
+        "s10-finished-stays-running",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request that finishes when its step is processed leaves the running list at once",
+        edit(
+            "            if req.finished:\n                self.running.remove(req)\n"
+            "                if id(req) in in_flight:",
+            "            if req.finished:\n                if id(req) in in_flight:",
+        ),
+        r"still in the running list",
+    ),
+    Mutant(
+        "s10-dropped-token-not-counted",
+        "s10_overlap_scheduling/scheduler.py",
+        "a token sampled for a request that had already ended is dropped, and counted (dropped_tokens)",
+        edit("                self.dropped_tokens += 1\n", ""),
+        r"dropped_tokens",
+    ),
+    Mutant(
+        "s10-released-stays-ending",
+        "s10_overlap_scheduling/scheduler.py",
+        "a request released when the step in flight is processed leaves self.ending",
+        edit("        if req in self.ending:\n            self.ending.remove(req)\n", ""),
+        r"release_ended takes a request it releases out of self.ending",
+    ),
     # --- stage 11: structured output ----------------------------------------------------------------
     Mutant(
         "s11-bitmask-bit-order",

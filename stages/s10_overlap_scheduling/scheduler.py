@@ -117,6 +117,12 @@ class OverlapScheduler(ChunkedPrefillScheduler):
         """Stage 5's, and overlap's own: every request of the step in flight keeps its table row
         until that step is processed, because its forward reads the row (released early, the row
         could be handed to a request admitted meanwhile, and rewritten while the forward runs)."""
+        gone = [req.rid for req in self.ending if req.req_pool_idx is None]
+        if gone:
+            raise AssertionError(
+                f"request(s) {gone} are still in self.ending but were released (they hold no table row): "
+                "release_ended takes a request it releases out of self.ending"
+            )
         released = [req.rid for req in self.last.batch.reqs if req.req_pool_idx is None] if self.last else []
         if released:
             raise AssertionError(

@@ -37,6 +37,36 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(32, 127) for _ in range(length)]
 
 
+def check_finished_left_running(engine, where: str) -> None:
+    """No request that has finished is still in the running list (stage 10 moves one the step in
+    flight holds to ``ending``): else it is never released, and the loop never runs dry."""
+    stayed = [req for req in engine.scheduler.running if req.finished]
+    assert not stayed, (
+        f"{where}: request(s) {[req.rid for req in stayed]} finished ({stayed[0].finished_reason.type}) but are still "
+        "in the running list: a request that finishes when its step is processed leaves self.running at once (to "
+        "self.ending while the step in flight still holds it, else released), or nothing ever releases it"
+    )
+
+
+def stepped(engine, what: str, max_steps: int = 1000):
+    """Yield each step's outputs until the engine has no work, checking every invariant after each
+    step, for at most ``max_steps`` steps (a request that never leaves would keep it going)."""
+    steps = 0
+    while engine.has_work:
+        outputs = engine.step()
+        steps += 1
+        check_finished_left_running(engine, f"{what}, after step {steps}")
+        check_all(engine, f"{what}, after step {steps}")
+        yield outputs
+        assert steps < max_steps, f"{what}: the engine still has work after {max_steps} steps: is a request stuck?"
+
+
+def step_until_idle(engine, what: str) -> list:
+    """Step until the engine has no work, checked as ``stepped`` does; returns every output."""
+    with torch.inference_mode():
+        return [out for outputs in stepped(engine, what) for out in outputs]
+
+
 def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, max_steps: int = 5000):
     """Add every request, then step until the engine is idle, checking after each step the pool's
     and the tree's invariants and that no stream ever gets a future id, a token after its end, or
@@ -77,6 +107,7 @@ def run_checked(engine, prompts, params, what: str, aborts: dict | None = None, 
                 streams[out.rid] += out.new_token_ids
                 if out.finish_reason is not None:
                     ended.add(out.rid)
+            check_finished_left_running(engine, where)
             try:
                 check_all(engine, where)
             except AssertionError as error:

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from overlap_helpers import engine_on, greedy, random_prompt
+from overlap_helpers import engine_on, greedy, random_prompt, step_until_idle
 from s10_overlap_scheduling.future_map import FutureMap
 
 
@@ -86,9 +86,7 @@ def test_step_n_plus_1_is_launched_before_step_n_is_processed(tiny_models_root, 
     engine, log, passes = spied_engine(path, disable_overlap)
     req = engine.add_request(random_prompt(7, seed=3), greedy(4))
     first = engine.step()
-    with torch.inference_mode():
-        while engine.has_work:
-            engine.step()
+    step_until_idle(engine, f"llama3, overlap {'off' if disable_overlap else 'on'}")
     if disable_overlap:
         assert [out.new_token_ids for out in first] == [req.output_ids[:1]], (
             "without overlap a step returns its own token"
@@ -174,9 +172,7 @@ def test_a_turn_returns_while_the_step_it_launched_still_runs(tiny_models_root):
     finally:
         gate.set()
     second.join()
-    with torch.inference_mode():
-        while engine.has_work:
-            engine.step()
+    step_until_idle(engine, "llama3, the forward held")
     stage8 = stage8_tokens(path)
     assert req.output_ids == stage8, f"with the forward held, the request got {req.output_ids}; stage 8: {stage8}"
 

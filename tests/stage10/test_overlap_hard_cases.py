@@ -16,6 +16,19 @@ from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, rand
 from reference import assert_same_tokens, hf_greedy
 
 
+def count_calls(scheduler, name: str) -> list:
+    """Wrap ``scheduler.<name>`` (on this instance); returns the list its calls' first argument is
+    appended to."""
+    calls, real = [], getattr(scheduler, name)
+
+    def counted(first, *rest, **kwargs):
+        calls.append(first)
+        return real(first, *rest, **kwargs)
+
+    setattr(scheduler, name, counted)
+    return calls
+
+
 def early_stop_workload(path):
     """Requests that stop on a token they produce early (their third, or first), so they finish
     before max_new_tokens, and what each must produce (transformers' tokens up to that stop)."""
@@ -39,6 +52,7 @@ def test_a_request_finished_but_already_scheduled_drops_its_extra_token(tiny_mod
     for disable_overlap in (False, True):
         what = f"llama, page_size={page_size}, {'no ' if disable_overlap else ''}overlap"
         engine = engine_on(path, disable_overlap=disable_overlap, **knobs)
+        ended_in_flight = count_calls(engine.scheduler, "release_ended")
         reqs, streams = run_checked(engine, prompts, params, what)
         for i, (req, ref) in enumerate(zip(reqs, expected)):
             assert_same_tokens(streams[req.rid], ref, f"{what}: request {i}'s stream (it stops on token {ref[-1]})")
@@ -49,6 +63,13 @@ def test_a_request_finished_but_already_scheduled_drops_its_extra_token(tiny_mod
         if disable_overlap:
             assert dropped == 0, (
                 f"{what}: {dropped} tokens were dropped, but without overlap nothing runs after its end"
+            )
+        elif ended_in_flight:
+            assert dropped == len(ended_in_flight), (
+                f"{what}: {len(ended_in_flight)} request(s) had ended when a step that held them was processed "
+                f"(release_ended ran for them), each with a token sampled after its end, yet dropped_tokens is "
+                f"{dropped}: process_sampled drops such a token and counts it (self.dropped_tokens += 1), what overlap "
+                "wastes"
             )
         else:
             assert dropped > 0, (

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import prompt_logprob_cases as scored
-from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, random_prompt, run_checked
+from overlap_helpers import assert_pool_free_after_tree, engine_on, greedy, random_prompt, run_checked, stepped
 from penalty_cases import assert_penalties_like_stage3, penalised_params
 from reference import assert_logprobs_match, assert_same_tokens, hf_greedy
 from s00_foundation.device import physical_cores
@@ -143,8 +143,8 @@ def test_logprobs_arrive_with_their_tokens(tiny_models_root, disable_overlap):
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     streamed: dict = {req.rid: [] for req in reqs}
     with torch.inference_mode():
-        while engine.has_work:
-            for out in engine.step():
+        for outputs in stepped(engine, f"llama3, logprobs, overlap {'off' if disable_overlap else 'on'}"):
+            for out in outputs:
                 asked = next(r for r in reqs if r.rid == out.rid).sampling_params.logprobs is not None
                 got = [e.token_id for e in out.new_logprobs]
                 assert got == (list(out.new_token_ids) if asked else []), (

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
-from overlap_helpers import engine_on  # noqa: E402
+from overlap_helpers import engine_on, step_until_idle  # noqa: E402
 from reference import engine_tokenizer  # noqa: E402
 from s08_cuda_graph.engine import CudaGraphEngine  # noqa: E402
 from s09_zmq_serving import scheduler_process  # noqa: E402
@@ -51,9 +51,7 @@ def test_the_server_runs_the_stage_10_engine_unless_overlap_is_disabled(tiny_mod
                 f"server flags {flags}: the server should run stage 8's CudaGraphEngine, runs {served}"
             )
         engine.add_request([72, 105], greedy(3, ignore_eos=True))
-        outputs = []
-        while engine.has_work:
-            outputs += engine.step()
+        outputs = step_until_idle(engine, f"server flags {flags}")
         assert [len(out.new_token_ids) for out in outputs] == [1, 1, 1], (
             f"server flags {flags}: one token per output: {outputs}"
         )
