@@ -1,5 +1,6 @@
-"""Shared by the stage 6 and 7 tests: check the scheduler's and the radix tree's invariants, saying
-where, and make a radix cache's evict speak for itself when it frees what it must not."""
+"""Shared by the stage 5 to 7 tests: check the scheduler's and the radix tree's invariants, saying
+where, make a radix cache's evict speak for itself when it frees what it must not, and step an
+engine to the end without looping forever."""
 
 from __future__ import annotations
 
@@ -84,3 +85,23 @@ def watch_evict(cache):
 
     cache.evict = evict
     return cache
+
+
+def capped_steps(engine, max_steps: int = 2000):
+    """Yield 1, 2, ... while ``engine`` has work, for the caller to run one step each: a loop
+    ``while engine.has_work`` that cannot run forever. After ``max_steps`` it fails, naming any
+    finished request still in the running list (nothing would ever take it out)."""
+    for step in range(1, max_steps + 1):
+        if not engine.has_work:
+            return
+        yield step
+    stayed = [req.rid for req in engine.scheduler.running if req.finished]
+    raise AssertionError(
+        f"the engine still has work after {max_steps} steps: is a request stuck?"
+        + (
+            f" Request(s) {stayed} finished but are still in the running list: a finished request leaves it (and is "
+            "released) in the step it finishes"
+            if stayed
+            else ""
+        )
+    )

@@ -7,6 +7,7 @@ joining while others decode, must give every request exactly its single-request 
 from __future__ import annotations
 
 from continuous_helpers import assert_pool_free, greedy, tiny_engine, workload
+from invariants import capped_steps
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.generate import cached_generate
@@ -70,7 +71,7 @@ def test_request_added_mid_decode_gets_the_same_tokens(tiny_models_root):
         f"(extend 1 after {len(first) + 4} cached) and the newcomers prefill (extend 4 and 20, nothing cached); "
         f"your pass had extend_lens={extend_lens}, prefix_lens={prefix_lens}"
     )
-    while engine.has_work:
+    for _ in capped_steps(engine):
         step()
     model = engine_model(str(path))
     for rid, (prompt, n) in requests.items():

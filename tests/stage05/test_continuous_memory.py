@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from continuous_helpers import assert_pool_free, greedy, tiny_engine, workload
+from invariants import capped_steps
 from reference import assert_same_tokens, engine_model, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.generate import cached_generate
@@ -22,7 +23,7 @@ def test_finished_requests_free_their_slots_in_the_same_step(tiny_models_root, p
     for p, n in zip(prompts, limits):
         engine.add_request(p, greedy(n))
     with torch.inference_mode():
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
             running = engine.scheduler.running
             held = sum(-(-req.cached_len // page_size) for req in running) * page_size
@@ -65,7 +66,7 @@ def test_pool_is_fully_free_after_stops_and_aborts(tiny_models_root):
             assert engine.abort_request(rid), f"abort_request({rid}) should find the request"
             engine.scheduler.check_invariants()  # an aborted running request frees its slots at once
         assert not engine.abort_request("no such request"), "abort_request of an unknown id should return False"
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
             engine.scheduler.check_invariants()
     model = engine_model(str(path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from continuous_helpers import assert_pool_free, greedy, tiny_engine
+from invariants import capped_steps
 from reference import assert_same_tokens, hf_greedy
 from s02_request_and_sampling.req import Req
 
@@ -68,7 +69,7 @@ def test_add_request_refuses_what_can_never_finish(tiny_models_root):
         assert "bad" in str(error.value), f"{what}: the error should name the request, got: {error.value}"
         assert [r.rid for r in scheduler.waiting] == ["ok"], f"{what}: a refused request must not be queued"
     outputs = {}
-    while engine.has_work:
+    for _ in capped_steps(engine):
         for out in engine.step():
             outputs.setdefault(out.rid, []).extend(out.new_token_ids)
     assert_same_tokens(outputs["ok"], hf_greedy(path, OK_PROMPTS[0], 8), "request 'ok' after two refused requests")

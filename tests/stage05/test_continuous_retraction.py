@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from continuous_helpers import assert_pool_free, greedy, retraction_workload, run_to_end, tiny_engine
+from invariants import capped_steps
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s03_kv_cache.engine import generate as stage3_generate
@@ -56,7 +57,7 @@ def test_retracted_request_waits_at_the_front_and_is_recomputed(tiny_models_root
     seen_retraction, seen_readmission, most_at_once = False, False, 0
     generated_when_retracted, admitted_at = {}, {}
     with torch.inference_mode():
-        while engine.has_work:
+        for _ in capped_steps(engine):
             running_before = [r.rid for r in engine.scheduler.running]
             engine.step()
             trace = traces[-1]
@@ -303,7 +304,7 @@ def test_retraction_stops_as_soon_as_the_pass_fits(tiny_models_root, pool_size, 
         engine.add_request(p, greedy(n))
     steps = 0
     with torch.inference_mode():
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
             steps += 1
             assert not needless, (

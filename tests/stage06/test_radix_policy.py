@@ -7,6 +7,7 @@ from collections import deque
 
 import torch
 
+from invariants import capped_steps
 from radix_helpers import assert_nothing_held_but_the_tree, greedy, radix_engine, run_all
 from s02_request_and_sampling.req import Req
 from s02_request_and_sampling.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ def admission_order(tiny_models_root, policy):
     prompts = {"none": [100, 101, 102, 103], "some": SHARED[:10] + [120, 121], "most": SHARED + [90, 92]}
     reqs = {rid: engine.add_request(p, greedy(2), rid=rid) for rid, p in prompts.items()}
     with torch.inference_mode():
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
             engine.scheduler.check_invariants()
             engine.tree_cache.check()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chunked_helpers import chunked_engine, greedy, random_prompt
+from invariants import capped_steps
 from s07_chunked_prefill.engine import OFFLINE_CHUNKED_PREFILL_SIZE, SERVING_CHUNKED_PREFILL_SIZE
 
 PROMPTS = [random_prompt(400, seed=i) for i in range(6)]  # 2400 prompt tokens: more than either budget
@@ -27,7 +28,7 @@ def first_pass_tokens(recorder, start: int) -> int:
 def step_to_the_end(engine, prompts, params):
     reqs = [engine.add_request(p, params) for p in prompts]
     with torch.inference_mode():
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
     return [req.output_ids for req in reqs]
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from chunked_helpers import assert_pool_free_after_tree, check_all, chunked_engine, greedy, random_prompt, run_checked
+from invariants import capped_steps
 from reference import assert_same_tokens, engine_model, engine_tokenizer, hf_greedy
 from s04_paged_kv_pool.allocator import TokenToKVPoolAllocator
 from s04_paged_kv_pool.memory_pool import PoolExhaustedError
@@ -132,7 +133,7 @@ def test_finished_chunks_are_reused_by_a_request_sharing_the_prefix(tiny_models_
             f"{what}: after 4 chunks of 8 its 32 computed tokens should be in the tree, it holds {in_tree}"
         )
         second = engine.add_request(twin, greedy(4))
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
             check_all(engine, what)
     assert second.prefix_match is None and engine.scheduler.stats.cached_tokens >= 40, (
@@ -225,7 +226,7 @@ def test_aborting_a_half_prefilled_request_frees_it(tiny_models_root):
             check_all(engine, what)
             assert not engine.has_work, f"{what}: after the abort nothing should be left to do"
             other = engine.add_request(other_prompt, greedy(5))
-            while engine.has_work:
+            for _ in capped_steps(engine):
                 engine.step()
                 check_all(engine, what)
         assert_same_tokens(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from chunked_helpers import chunked_engine, greedy, random_prompt, run_checked, sampling_spy
+from invariants import capped_steps
 from reference import assert_same_tokens, hf_greedy
 
 
@@ -20,7 +21,7 @@ def test_chunks_run_beside_decodes_with_the_same_tokens(tiny_models_root):
         engine.step()  # the short ones are prefilled together and start decoding
         long_req = engine.add_request(long_prompt, greedy(6))
         chunks_seen = 0
-        while engine.has_work:
+        for _ in capped_steps(engine):
             before = len(recorder.passes)
             outputs = engine.step()
             engine.scheduler.check_invariants()
@@ -62,7 +63,7 @@ def test_the_half_prefilled_request_keeps_its_place(tiny_models_root):
         engine.step()
         late_req = engine.add_request(late, greedy(3))
         steps = 1
-        while engine.has_work:
+        for _ in capped_steps(engine):
             engine.step()
             steps += 1
             engine.scheduler.check_invariants()
