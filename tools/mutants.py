@@ -988,6 +988,23 @@ MUTANTS: list[Mutant] = [
         r"prefill_len gives it",
     ),
     Mutant(
+        "s05-room-not-less-reserved",
+        "s05_continuous_batching/scheduler.py",
+        "the room is what the pool has less what admission keeps back for the requests before (reserved)",
+        edit(
+            "            room = self.available_slots() - reserved\n",
+            "            room = self.available_slots()\n",
+        ),
+        r"minus what admission keeps back \(reserved",
+    ),
+    Mutant(
+        "s05-cached-len-not-advanced",
+        "s05_continuous_batching/scheduler.py",
+        "after its pass a request's K/V are stored up to device_len: cached_len moves there",
+        edit("        for req in reqs:\n            req.cached_len = req.device_len\n", ""),
+        r"sets req.cached_len = req.device_len",
+    ),
+    Mutant(
         "s05-room-counts-free-slots-only",
         "s05_continuous_batching/scheduler.py",
         "admission's room is available_slots(): the free slots plus those the prefix cache can evict",

@@ -47,6 +47,13 @@ def run_to_end(engine, check_every_step: bool = True, max_steps: int = 10_000):
             finished = [out.rid for out in engine.step() if out.finish_reason is not None]
             steps += 1
             if check_every_step:
+                behind = [req for req in engine.scheduler.running if req.cached_len != req.device_len - 1]
+                assert not behind, (
+                    f"after step {steps}: request {behind[0].rid} has {behind[0].device_len} tokens and the K/V of "
+                    f"cached_len={behind[0].cached_len} of them; after its pass all but the token just sampled have "
+                    "K/V, so process_batch_result sets req.cached_len = req.device_len before that token is appended "
+                    "(else the slots past cached_len belong to nobody)"
+                )
                 try:
                     engine.scheduler.check_invariants()
                 except AssertionError as error:

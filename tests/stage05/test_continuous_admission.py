@@ -225,6 +225,23 @@ class OnePrefixCache:
         return 0 if self.locks else len(self.prefix)
 
 
+def test_admission_keeps_back_what_the_requests_admitted_before_need(tiny_models_root):
+    # Pool of 64 slots, nothing cached, new_token_ratio=0: request 0's prompt takes 40 slots,
+    # leaving 24; request 1 needs 30 and must wait, though the pool alone has 64 free.
+    model = engine_model(str(tiny_models_root / "llama"))
+    runner = ModelRunner(model, pool_size=64, max_running_requests=4, max_context_len=128)
+    admit_only_the_first(
+        Scheduler(runner, new_token_ratio=0.0),
+        [Req(0, list(b"a" * 40), greedy(1)), Req(1, list(b"b" * 30), greedy(1))],
+        (
+            ": request 0, admitted first, takes 40 of the 64 slots in this very pass, leaving 24, and request 1 needs "
+            "30. Nothing is allocated until the pass runs, so the room is available_slots() minus what admission "
+            "keeps back (reserved: the next pass and future of the running requests, plus the need of each request "
+            "admitted before in this step)"
+        ),
+    )
+
+
 def test_admission_does_not_count_a_requests_own_cached_prefix_as_room(tiny_models_root):
     # Pool of 80 slots; the cache holds a 16-token prefix (free: 64, evictable: 16).
     # Request 0 (8 tokens, nothing cached) is admitted first. Request 1 is that prefix plus 60
