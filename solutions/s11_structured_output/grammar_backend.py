@@ -18,7 +18,6 @@ request is at its own place in the grammar.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
@@ -27,7 +26,7 @@ import llguidance.hf
 import llguidance.numpy
 import torch
 
-from .grammar_check import PARSER_LIMITS, GrammarError, grammar_text, kind_name
+from .grammar_check import PARSER_LIMITS, GrammarError, GrammarMemory, grammar_text, kind_name
 from .sampling_params import GrammarKey
 
 COMPILE_THREADS = 2  # grammars compiled at once (llguidance drops the GIL while it compiles)
@@ -98,39 +97,13 @@ class Grammar:
         # END EXERCISE
 
 
-class GrammarCache:
-    """The compiled grammars (Futures) by key, bounded: at most ``max_grammars`` of them and
-    ``max_chars`` characters of grammar text, the least recently used going first. Unbounded, a
-    client that sends ever new schemas would grow the process until it runs out of memory. A
-    request that already holds an evicted grammar's Future keeps it; the cache only forgets it."""
+class GrammarCache(GrammarMemory[Future]):
+    """The compiled grammars (Futures) by key, bounded (GrammarMemory). Unbounded, a client that
+    sends ever new schemas would grow the process until it runs out of memory. A request that
+    already holds an evicted grammar's Future keeps it; the cache only forgets it."""
 
     def __init__(self, max_grammars: int = CACHE_MAX_GRAMMARS, max_chars: int = CACHE_MAX_CHARS):
-        self.max_grammars, self.max_chars = max_grammars, max_chars
-        self.entries: OrderedDict[GrammarKey, Future] = OrderedDict()  # least recently used first
-        self.chars = 0  # grammar text held, the measure of what the compiled grammars take
-
-    def get(self, key: GrammarKey) -> Future | None:
-        future = self.entries.get(key)
-        if future is not None:
-            self.entries.move_to_end(key)  # just used: evicted last
-        return future
-
-    def __setitem__(self, key: GrammarKey, future: Future) -> None:
-        if key in self.entries:  # replaced: its text is counted again below
-            del self.entries[key]
-            self.chars -= len(key[1])
-        self.entries[key] = future
-        self.chars += len(key[1])
-        # The newest entry stays even when it alone is over max_chars: the request is compiling it.
-        while len(self.entries) > 1 and (len(self.entries) > self.max_grammars or self.chars > self.max_chars):
-            evicted, _ = self.entries.popitem(last=False)
-            self.chars -= len(evicted[1])
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.entries
+        super().__init__(max_grammars, max_chars)
 
 
 class GrammarBackend:

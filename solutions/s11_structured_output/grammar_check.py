@@ -13,7 +13,9 @@ stops it. A thread cannot be stopped, so the checks run in a few worker processe
 - a check that passes the cap kills its worker (the library cannot allocate): a 400 too;
 - either worker is replaced, so the next request finds the same number of workers;
 - a request that finds every worker busy for ``timeout_s`` gets a 503 with Retry-After: the
-  server is busy, which is not the fault of its grammar.
+  server is busy, which is not the fault of its grammar;
+- a refused grammar is remembered (``GrammarMemory``), and so is a check under way: the same
+  grammar sent again, by one client or many at once, costs a worker once, not every time.
 
 This module imports only llguidance (no torch), so a worker starts in a fraction of a second.
 """
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+from collections import OrderedDict
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import llguidance
 
@@ -38,6 +41,10 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 CHECK_WORKERS = 2  # grammars checked at once
 CHECK_TIMEOUT_S = 5.0  # a check that takes longer is refused; a request waits for a free worker as long
 CHECK_MEMORY_BYTES = 1 << 30  # a worker's address space (a check of an ordinary schema uses a few MB)
+# The refusals remembered: their keys' text, and a message that may quote it a few times (at most ~5 MB)
+REFUSALS_KEPT, REFUSAL_CHARS_KEPT = 256, 1_000_000
+
+V = TypeVar("V")
 
 
 class GrammarError(ValueError):
@@ -95,6 +102,39 @@ def serve_checks(conn: Connection, memory_bytes: int) -> None:
             conn.send(f"the grammar needs more than {memory_bytes >> 20} MB to check; simplify it")
 
 
+class GrammarMemory(Generic[V]):
+    """Values by grammar key, bounded: at most ``max_grammars`` of them and ``max_chars``
+    characters of grammar text, the least recently used going first."""
+
+    def __init__(self, max_grammars: int, max_chars: int):
+        self.max_grammars, self.max_chars = max_grammars, max_chars
+        self.entries: OrderedDict[GrammarKey, V] = OrderedDict()  # least recently used first
+        self.chars = 0  # grammar text held, the measure of what the values take
+
+    def get(self, key: GrammarKey) -> V | None:
+        value = self.entries.get(key)
+        if value is not None:
+            self.entries.move_to_end(key)  # just used: evicted last
+        return value
+
+    def __setitem__(self, key: GrammarKey, value: V) -> None:
+        if key in self.entries:  # replaced: its text is counted again below
+            del self.entries[key]
+            self.chars -= len(key[1])
+        self.entries[key] = value
+        self.chars += len(key[1])
+        # The newest entry stays even when it alone is over max_chars: its request is using it.
+        while len(self.entries) > 1 and (len(self.entries) > self.max_grammars or self.chars > self.max_chars):
+            evicted, _ = self.entries.popitem(last=False)
+            self.chars -= len(evicted[1])
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+
 class CheckWorker:
     """One worker process and the server's end of its pipe."""
 
@@ -136,30 +176,52 @@ class GrammarChecker:
         self.idle: asyncio.Queue[CheckWorker] | None = None  # made on the event loop, at the first check
         self.all: set[CheckWorker] = set()
         self.tasks: set[asyncio.Task[Any]] = set()  # checks and replacements under way (the loop keeps weak refs)
+        # A grammar refused once (a slow one included: the check that timed out cost a worker for
+        # timeout_s) is refused at once after, with the same message, while remembered. This does
+        # not stop a client that sends ever-different slow grammars: each costs a worker once.
+        self.refused = GrammarMemory[str](REFUSALS_KEPT, REFUSAL_CHARS_KEPT)
+        self.checking: dict[GrammarKey, asyncio.Task[str | None]] = {}  # the checks under way, by key
 
     async def check(self, key: GrammarKey) -> None:
         """Return if ``key`` compiles; GrammarError saying why not (or that it took too long or
-        too much memory); GrammarCheckBusy if no worker was free within ``timeout_s``."""
+        too much memory); GrammarCheckBusy if no worker was free within ``timeout_s``. A key
+        refused before, or being checked for another request, takes no worker of its own."""
+        if key not in self.refused and key not in self.checking:
+            worker = await self.free_worker()
+            if key in self.refused or key in self.checking:  # decided, or started, while this request waited
+                assert self.idle is not None
+                self.idle.put_nowait(worker)
+            else:
+                self.checking[key] = self.background(self.run_on(worker, key))
+        # Shielded: a request cancelled meanwhile (its client gone, its time up) must not lose the
+        # worker, which goes back to the queue, or is replaced, whatever happens to the request.
+        refused = await asyncio.shield(self.checking[key]) if key in self.checking else self.refused.get(key)
+        if refused is not None:
+            raise GrammarError(refused)
+
+    async def free_worker(self) -> CheckWorker:
+        """A worker, once one is free (the first call starts them); GrammarCheckBusy after ``timeout_s``."""
         if self.idle is None:
             self.idle = asyncio.Queue()
             for _ in range(self.workers):
                 self.idle.put_nowait(await self.start_worker())
         try:
-            worker = await asyncio.wait_for(self.idle.get(), self.timeout_s)
+            return await asyncio.wait_for(self.idle.get(), self.timeout_s)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
             raise GrammarCheckBusy(
                 f"all {self.workers} grammar checks of this server were busy for {self.timeout_s:g} s; retry"
             ) from None
-        # Shielded: a request cancelled meanwhile (its client gone, its time up) must not lose the
-        # worker, which goes back to the queue, or is replaced, whatever happens to the request.
-        refused = await asyncio.shield(self.background(self.run_on(worker, key)))
-        if refused is not None:
-            raise GrammarError(refused)
 
     async def run_on(self, worker: CheckWorker, key: GrammarKey) -> str | None:
-        """Check ``key`` on ``worker``, then give the worker back, or stop it and start another."""
+        """Check ``key`` on ``worker`` and remember a refusal, then give the worker back, or stop
+        it and start another."""
         assert self.idle is not None
-        lives, refused = await asyncio.to_thread(worker.check, key, self.timeout_s)
+        try:
+            lives, refused = await asyncio.to_thread(worker.check, key, self.timeout_s)
+        finally:
+            del self.checking[key]
+        if refused is not None:
+            self.refused[key] = refused
         if lives:
             self.idle.put_nowait(worker)
         else:

@@ -3,13 +3,16 @@
 The official ``openai`` client's ``parse`` helper gets an instance of its pydantic model back;
 ``json_schema`` and ``regex`` requests, streamed and not, answer text that validates and matches;
 each answer equals the offline engine's; a schema or regex that does not compile, or a request
-that mixes them, is a 400 that names the problem, and the server serves on."""
+that mixes them, is a 400 that names the problem, and the server serves on; a grammar refused
+once is refused at once when sent again."""
 
 from __future__ import annotations
 
 import json
 import re
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -214,6 +217,34 @@ def test_an_error_that_quotes_a_huge_grammar_is_cut(server):
         f"expected a 400 saying the regex is invalid, cut short; got {response.status_code} {response.text[:300]}"
     )
     assert len(response.content) < 10_000, f"the error body is {len(response.content)} bytes for a 400 KB regex"
+
+
+def test_a_refused_grammar_sent_again_is_refused_without_a_check(server):
+    """A grammar is checked in one of two worker processes, for at most 5 s. A refused one is
+    remembered: sent again, by several clients at once, it is refused at once with the same
+    message, and a good grammar sent meanwhile finds a worker free. (Checked anew each time, a
+    schema too slow to check kept both workers busy for 5 s per request, and the good one got 503s.)"""
+    slow = {"allOf": [{"type": "string", "pattern": f".*{chr(97 + i)}.*"} for i in range(24)]}  # minutes, GBs
+    request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    refused = {**request, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": slow}}}
+
+    def timed(body: dict) -> tuple[int, str, float]:
+        started = time.monotonic()
+        response = post(server, "/v1/chat/completions", body)
+        return response.status_code, response.json().get("error", {}).get("message", ""), time.monotonic() - started
+
+    status, message, _ = timed(refused)
+    # (past 5 s, or past the worker's memory cap first: either way a worker was stopped and replaced)
+    assert status == 400 and re.search("took longer than|memory", message), f"the slow schema: {status} {message}"
+    with ThreadPoolExecutor(5) as pool:
+        again = [pool.submit(timed, refused) for _ in range(4)]
+        good = pool.submit(timed, {**request, "regex": "(yes|no)"})
+        for future in again:
+            assert future.result()[:2] == (400, message) and future.result()[2] < 2.5, (
+                f"the slow schema sent again should be refused at once (well under the 5 s a check may take), "
+                f"with the same message; got {future.result()}"
+            )
+        assert good.result()[0] == 200, f"a good grammar sent meanwhile should be served: {good.result()}"
 
 
 # --- tool calls: "required" and a named function are structured output ---------------------------
