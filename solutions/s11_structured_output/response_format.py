@@ -32,7 +32,7 @@ JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 def check_response_format_keys(response_format: dict[str, Any] | None) -> None:
     """InvalidRequest naming the first key ``response_format`` (of a known type) should not hold."""
     kind = (response_format or {}).get("type")
-    if response_format is None or kind not in RESPONSE_FORMAT_KEYS:
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_KEYS:  # (a list or a dict cannot be looked up)
         return  # nothing to check, or a type that grammar_fields refuses itself
     refuse_unknown_keys(response_format, RESPONSE_FORMAT_KEYS[kind], "response_format", f"a {kind} response_format")
     spec = response_format.get("json_schema")

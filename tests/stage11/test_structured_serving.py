@@ -150,6 +150,8 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
             "response_format",
             "nan at maximum",
         ),
+        ({"response_format": {"type": ["json_object"]}}, "response_format", "use text, json_object or json_schema"),
+        ({"response_format": {"type": {"json": 1}}}, "response_format", "use text, json_object or json_schema"),
     ],
     ids=[
         "bad-schema",
@@ -162,6 +164,8 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
         "typo",
         "min-tokens",
         "nan",
+        "type-list",
+        "type-object",
     ],
 )
 def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
