@@ -344,7 +344,7 @@ class ToolCallParser:
         """The call a block or an array's object holds, if it is one of the tools' (then counted in ``calls``)."""
         try:
             call = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past Python's recursion limit
             return None
         if not isinstance(call, dict) or call.get("name") not in self.tool_names:
             return None

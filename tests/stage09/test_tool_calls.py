@@ -58,6 +58,12 @@ AUTO_CASES = [
         "a block never closed (max_tokens) is the model's text",
     ),
     ("  spaced  \n", "  spaced  \n", [], "without a call, whitespace is the model's text too"),
+    (
+        "<tool_call>" + "[" * 5000 + "</tool_call>",
+        "<tool_call>" + "[" * 5000 + "</tool_call>",
+        [],
+        "a block nested past what Python's JSON reads (its recursion limit) is no call: the model's text, tags and all",
+    ),
 ]
 
 
