@@ -62,7 +62,8 @@ class ToolChoice:
 
 
 def resolve_tool_choice(request: ChatCompletionRequest) -> ToolChoice:
-    """The request's ToolChoice; InvalidRequest names what is wrong (duplicate names, a choice
+    """The request's ToolChoice; InvalidRequest names what is wrong (duplicate names, parameters
+    that are no object's schema, a choice
     without tools or naming none of them, a grammar of its own besides a constrained choice)."""
     tools = request.tools or []
     choice = request.tool_choice
@@ -76,10 +77,20 @@ def resolve_tool_choice(request: ChatCompletionRequest) -> ToolChoice:
                 param=f"tools.{i}.function.name",
             )
     for i, tool in enumerate(tools):
-        depth = nesting_depth(tool.function.parameters)
+        parameters = tool.function.parameters
+        depth = nesting_depth(parameters)
         if depth > MAX_SCHEMA_DEPTH:
             raise InvalidRequest(
                 f"tools[{i}].function.parameters is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
+                param=f"tools.{i}.function.parameters",
+            )
+        # A call's arguments are a JSON object (OpenAI refuses other parameters too): under "required" a
+        # string's "arguments" would be no call, and the answer would hold nothing
+        if parameters and parameters.get("type") != "object":
+            has = f"its type is {json.dumps(parameters['type'])[:64]}" if "type" in parameters else "it has no type"
+            raise InvalidRequest(
+                f'tools[{i}].function.parameters must be a JSON schema with "type": "object", and {has}; a '
+                "function without arguments leaves parameters out (or sends {})",
                 param=f"tools.{i}.function.parameters",
             )
     if not tools:
@@ -119,9 +130,9 @@ def nesting_depth(value: Any) -> int:
 
 
 def arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    """A function's arguments: its parameters schema (no parameters: an empty object, as OpenAI)."""
+    """A function's arguments: its parameters schema (none, or {}: an empty object, as OpenAI)."""
     parameters = tool["function"].get("parameters")
-    return parameters if parameters is not None else {"type": "object", "properties": {}, "additionalProperties": False}
+    return parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any] | None:

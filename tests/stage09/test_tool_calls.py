@@ -239,6 +239,19 @@ DEEP = json.loads('{"a":' * 70 + "1" + "}" * 70)  # 70 objects, one in another
             "tools.0.function.parameters",
             "nested 70 levels",
         ),
+        (  # OpenAI's rule: a call's arguments are an object (else "required" would read no call at all)
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+            '"type": "object", and its type is "string"',
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}],
+                "tool_choice": "required",
+            },
+            "tools.0.function.parameters",
+            "it has no type",
+        ),
         ({"messages": [{"role": "tool", "content": "3"}]}, "messages.0.tool_call_id", "tool_call_id"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "messages.1.content", "required"),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages.0.tool_calls", "assistant"),

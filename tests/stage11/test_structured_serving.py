@@ -4,7 +4,8 @@ The official ``openai`` client's ``parse`` helper gets an instance of its pydant
 ``json_schema`` and ``regex`` requests, streamed and not, answer text that validates and matches;
 each answer equals the offline engine's; a schema or regex that does not compile, or a request
 that mixes them, is a 400 that names the problem, and the server serves on; a grammar refused
-once is refused at once when sent again."""
+once is refused at once when sent again. Forced tool calls ("required", a named function) follow
+the tools' schemas."""
 
 from __future__ import annotations
 
@@ -285,7 +286,7 @@ SCHEMA_OF = {tool["function"]["name"]: tool["function"]["parameters"] for tool i
 
 
 def served_calls(server: Server, tool_choice, stream: bool, **more) -> tuple[list[tuple[str, str]], str, object]:
-    """((name, arguments) of each call, finish_reason, content) of a greedy chat with TOOLS."""
+    """((name, arguments) of each call, finish_reason, content) of a greedy chat with TOOLS (or ``more``'s)."""
     body = {
         "model": "llama",
         "messages": [{"role": "user", "content": "Weather?"}],
@@ -372,13 +373,37 @@ def test_the_openai_client_reads_the_calls(server):
     )
 
 
+def object_of(a: dict) -> dict:
+    """The parameters of a function whose one argument ``a`` follows the schema ``a``."""
+    return {"type": "object", "properties": {"a": a}, "required": ["a"], "additionalProperties": False}
+
+
+NO_ARGUMENTS: dict = {}  # OpenAI's "no arguments", as leaving parameters out is
+
+
+@pytest.mark.parametrize("parameters", [NO_ARGUMENTS], ids=["no-arguments"])
+def test_required_serves_each_kind_of_parameters(server, parameters):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    calls, finish, content = served_calls(server, "required", False, tools=[tool], parallel_tool_calls=False)
+    assert len(calls) == 1 and calls[0][0] == "f" and finish == "tool_calls" and content is None, (
+        f"parameters {json.dumps(parameters)[:200]}: one call of f, ended by the model; got calls {calls}, "
+        f"finish_reason {finish!r}, content {content!r}"
+    )
+    arguments = json.loads(calls[0][1])
+    jsonschema.validate(arguments, parameters)
+    assert parameters or arguments == {}, f"parameters {{}} mean no arguments, got {arguments}"
+
+
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "bogus"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": object_of({"type": "bogus"})}}]},
+            "bogus",
+        ),
         # passes the server's check; the library gives up on it in the scheduler, which reports it
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]},
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": object_of({"$ref": "#"})}}]},
             "gave up.*simplify",
         ),
         ({"min_tokens": 3}, "min_tokens.*grammar"),
