@@ -63,7 +63,7 @@ class ToolChoice:
 
 def resolve_tool_choice(request: ChatCompletionRequest) -> ToolChoice:
     """The request's ToolChoice; InvalidRequest names what is wrong (duplicate names, parameters
-    that are no object's schema, a choice
+    that are no object's schema, a schema nested too deep (response_format's too), a choice
     without tools or naming none of them, a grammar of its own besides a constrained choice)."""
     tools = request.tools or []
     choice = request.tool_choice
@@ -78,12 +78,7 @@ def resolve_tool_choice(request: ChatCompletionRequest) -> ToolChoice:
             )
     for i, tool in enumerate(tools):
         parameters = tool.function.parameters
-        depth = nesting_depth(parameters)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise InvalidRequest(
-                f"tools[{i}].function.parameters is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
-                param=f"tools.{i}.function.parameters",
-            )
+        refuse_deep_schema(parameters, f"tools[{i}].function.parameters", f"tools.{i}.function.parameters")
         # A call's arguments are a JSON object (OpenAI refuses other parameters too): under "required" a
         # string's "arguments" would be no call, and the answer would hold nothing
         if parameters and parameters.get("type") != "object":
@@ -93,6 +88,10 @@ def resolve_tool_choice(request: ChatCompletionRequest) -> ToolChoice:
                 "function without arguments leaves parameters out (or sends {})",
                 param=f"tools.{i}.function.parameters",
             )
+    spec = (request.response_format or {}).get("json_schema")
+    if isinstance(spec, dict):  # the other schema a request sends: the same limit
+        where = "response_format.json_schema.schema"
+        refuse_deep_schema(spec.get("schema"), where, where)
     if not tools:
         if choice not in (None, "none"):
             raise InvalidRequest("tool_choice is only allowed when tools are given", param="tool_choice")
@@ -116,6 +115,15 @@ def resolve_tool_choice(request: ChatCompletionRequest) -> ToolChoice:
             param="response_format" if request.response_format else "regex",
         )
     return tool_choice
+
+
+def refuse_deep_schema(schema: Any, where: str, param: str) -> None:
+    """InvalidRequest if ``schema`` (found at ``where`` in the request) nests deeper than MAX_SCHEMA_DEPTH."""
+    depth = nesting_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(
+            f"{where} is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed", param=param
+        )
 
 
 def nesting_depth(value: Any) -> int:

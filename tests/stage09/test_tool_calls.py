@@ -239,6 +239,11 @@ DEEP = json.loads('{"a":' * 70 + "1" + "}" * 70)  # 70 objects, one in another
             "tools.0.function.parameters",
             "nested 70 levels",
         ),
+        (  # response_format's schema: the same limit as the tools', checked before any engine's
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": [DEEP]}}}},
+            "response_format.json_schema.schema",
+            "nested 72 levels deep; at most 64",
+        ),
         (  # OpenAI's rule: a call's arguments are an object (else "required" would read no call at all)
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
             "tools.0.function.parameters",

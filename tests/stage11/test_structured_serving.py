@@ -47,6 +47,11 @@ def server(tiny_models_root, tmp_path_factory):
     server.stop()
 
 
+def deep_list(levels: int) -> list:
+    """[[...]]: ``levels`` arrays, one in another."""
+    return json.loads("[" * levels + "]" * levels)
+
+
 def client(server: Server) -> OpenAI:
     return OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -153,6 +158,16 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
         ),
         ({"response_format": {"type": ["json_object"]}}, "response_format", "use text, json_object or json_schema"),
         ({"response_format": {"type": {"json": 1}}}, "response_format", "use text, json_object or json_schema"),
+        (  # deeper than Python's JSON writes (its recursion limit)
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": deep_list(950)}}}},
+            "response_format.json_schema.schema",
+            "nested 951 levels deep; at most 64",
+        ),
+        (  # deeper than the grammar library reads: refused before, with the same words, not the library's
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": deep_list(130)}}}},
+            "response_format.json_schema.schema",
+            "nested 131 levels deep; at most 64",
+        ),
     ],
     ids=[
         "bad-schema",
@@ -167,6 +182,8 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
         "nan",
         "type-list",
         "type-object",
+        "deep",
+        "deeper-than-the-library",
     ],
 )
 def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
@@ -379,9 +396,12 @@ def object_of(a: dict) -> dict:
 
 
 NO_ARGUMENTS: dict = {}  # OpenAI's "no arguments", as leaving parameters out is
+# Nested as deep as a tool's parameters may be (64: the examples are data, so the arguments are {});
+# inside the schema "required" holds the answer to, that is 69 levels, which the grammar library reads
+AS_DEEP_AS_ALLOWED = {"type": "object", "additionalProperties": False, "examples": [deep_list(62)]}
 
 
-@pytest.mark.parametrize("parameters", [NO_ARGUMENTS], ids=["no-arguments"])
+@pytest.mark.parametrize("parameters", [NO_ARGUMENTS, AS_DEEP_AS_ALLOWED], ids=["no-arguments", "64-levels"])
 def test_required_serves_each_kind_of_parameters(server, parameters):
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     calls, finish, content = served_calls(server, "required", False, tools=[tool], parallel_tool_calls=False)
