@@ -153,13 +153,42 @@ def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[st
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool["function"]["name"]}, "arguments": arguments_schema(tool)},
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                # where the parameters now sit: their "$ref"s to their own parts ("#/$defs/...") must say so
+                "arguments": moved_refs(arguments_schema(tool), f"#/items/anyOf/{i}/properties/arguments"),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for tool in tools
+        for i, tool in enumerate(tools)
     ]
     return {"type": "array", "minItems": 1, **({} if choice.parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+
+
+DATA_KEYWORDS = {"const", "enum", "default", "examples"}  # their values are JSON data: a "$ref" there is no reference
+NAMED_SCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
+
+
+def moved_refs(schema: Any, at: str) -> Any:
+    """A copy of ``schema`` for its new place ``at`` (a JSON pointer) in a larger schema: each "$ref"
+    to a part of it ("#", "#/...") is prefixed with ``at``, so that it points where the client meant.
+    (Recursive: the schema passed resolve_tool_choice's depth limit.)"""
+    if isinstance(schema, list):
+        return [moved_refs(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = at + value[1:]
+        elif key in DATA_KEYWORDS:
+            moved[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):  # a property may be named "enum"
+            moved[key] = {name: moved_refs(item, at) for name, item in value.items()}
+        else:
+            moved[key] = moved_refs(value, at)
+    return moved
 
 
 # --- the prompt -----------------------------------------------------------------------------------

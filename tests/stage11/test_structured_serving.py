@@ -390,6 +390,18 @@ def test_the_openai_client_reads_the_calls(server):
     )
 
 
+# The layout pydantic and the openai client write: parts of the schema in $defs, referred to from "#"
+CITY_IN_DEFS = {
+    "$defs": {
+        "City": {"type": "object", "properties": {"name": CITY}, "required": ["name"], "additionalProperties": False}
+    },
+    "type": "object",
+    "properties": {"city": {"$ref": "#/$defs/City"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
 def object_of(a: dict) -> dict:
     """The parameters of a function whose one argument ``a`` follows the schema ``a``."""
     return {"type": "object", "properties": {"a": a}, "required": ["a"], "additionalProperties": False}
@@ -401,7 +413,9 @@ NO_ARGUMENTS: dict = {}  # OpenAI's "no arguments", as leaving parameters out is
 AS_DEEP_AS_ALLOWED = {"type": "object", "additionalProperties": False, "examples": [deep_list(62)]}
 
 
-@pytest.mark.parametrize("parameters", [NO_ARGUMENTS, AS_DEEP_AS_ALLOWED], ids=["no-arguments", "64-levels"])
+@pytest.mark.parametrize(
+    "parameters", [CITY_IN_DEFS, NO_ARGUMENTS, AS_DEEP_AS_ALLOWED], ids=["$defs", "no-arguments", "64-levels"]
+)
 def test_required_serves_each_kind_of_parameters(server, parameters):
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     calls, finish, content = served_calls(server, "required", False, tools=[tool], parallel_tool_calls=False)
@@ -410,7 +424,7 @@ def test_required_serves_each_kind_of_parameters(server, parameters):
         f"finish_reason {finish!r}, content {content!r}"
     )
     arguments = json.loads(calls[0][1])
-    jsonschema.validate(arguments, parameters)
+    jsonschema.validate(arguments, parameters)  # the $refs resolve as the client meant them
     assert parameters or arguments == {}, f"parameters {{}} mean no arguments, got {arguments}"
 
 
