@@ -15,7 +15,8 @@ stops it. A thread cannot be stopped, so the checks run in a few worker processe
 - a request that finds every worker busy for ``timeout_s`` gets a 503 with Retry-After: the
   server is busy, which is not the fault of its grammar;
 - a refused grammar is remembered (``GrammarMemory``), and so is a check under way: the same
-  grammar sent again, by one client or many at once, costs a worker once, not every time.
+  grammar sent again, by one client or many at once, costs a worker once, not every time (a
+  refusal at the time or memory cap, which may owe to the machine's load, for a minute only).
 
 This module imports only llguidance (no torch), so a worker starts in a fraction of a second.
 """
@@ -23,6 +24,7 @@ This module imports only llguidance (no torch), so a worker starts in a fraction
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing as mp
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -43,6 +45,10 @@ CHECK_TIMEOUT_S = 5.0  # a check that takes longer is refused; a request waits f
 CHECK_MEMORY_BYTES = 1 << 30  # a worker's address space (a check of an ordinary schema uses a few MB)
 # The refusals remembered: their keys' text, and a message that may quote it a few times (at most ~5 MB)
 REFUSALS_KEPT, REFUSAL_CHARS_KEPT = 256, 1_000_000
+# A check stopped at the time or memory cap says what this machine could do then, under its load
+# then: that refusal is remembered for this long only, and the grammar is checked anew after it.
+# (The library's own verdict, a grammar that is malformed, holds for good.)
+STOPPED_REFUSAL_KEPT_S = 60.0
 
 V = TypeVar("V")
 
@@ -170,34 +176,48 @@ class GrammarChecker:
     ``memory_bytes``; ``check`` is awaited on the server's event loop."""
 
     def __init__(
-        self, workers: int = CHECK_WORKERS, timeout_s: float = CHECK_TIMEOUT_S, memory_bytes: int = CHECK_MEMORY_BYTES
+        self,
+        workers: int = CHECK_WORKERS,
+        timeout_s: float = CHECK_TIMEOUT_S,
+        memory_bytes: int = CHECK_MEMORY_BYTES,
+        stopped_refusal_kept_s: float = STOPPED_REFUSAL_KEPT_S,
     ):
         self.workers, self.timeout_s, self.memory_bytes = workers, timeout_s, memory_bytes
+        self.stopped_refusal_kept_s = stopped_refusal_kept_s
         self.idle: asyncio.Queue[CheckWorker] | None = None  # made on the event loop, at the first check
         self.all: set[CheckWorker] = set()
         self.tasks: set[asyncio.Task[Any]] = set()  # checks and replacements under way (the loop keeps weak refs)
         # A grammar refused once (a slow one included: the check that timed out cost a worker for
-        # timeout_s) is refused at once after, with the same message, while remembered. This does
-        # not stop a client that sends ever-different slow grammars: each costs a worker once.
-        self.refused = GrammarMemory[str](REFUSALS_KEPT, REFUSAL_CHARS_KEPT)
+        # timeout_s) is refused at once after, with the same message, while remembered: its
+        # message and until when (the loop's clock). This does not stop a client that sends
+        # ever-different slow grammars: each costs a worker once.
+        self.refused = GrammarMemory[tuple[str, float]](REFUSALS_KEPT, REFUSAL_CHARS_KEPT)
         self.checking: dict[GrammarKey, asyncio.Task[str | None]] = {}  # the checks under way, by key
 
     async def check(self, key: GrammarKey) -> None:
         """Return if ``key`` compiles; GrammarError saying why not (or that it took too long or
         too much memory); GrammarCheckBusy if no worker was free within ``timeout_s``. A key
         refused before, or being checked for another request, takes no worker of its own."""
-        if key not in self.refused and key not in self.checking:
+        refused = self.remembered(key)
+        if refused is None and key not in self.checking:
             worker = await self.free_worker()
-            if key in self.refused or key in self.checking:  # decided, or started, while this request waited
+            refused = self.remembered(key)
+            if refused is not None or key in self.checking:  # decided, or started, while this request waited
                 assert self.idle is not None
                 self.idle.put_nowait(worker)
             else:
                 self.checking[key] = self.background(self.run_on(worker, key))
-        # Shielded: a request cancelled meanwhile (its client gone, its time up) must not lose the
-        # worker, which goes back to the queue, or is replaced, whatever happens to the request.
-        refused = await asyncio.shield(self.checking[key]) if key in self.checking else self.refused.get(key)
+        if refused is None:
+            # Shielded: a request cancelled meanwhile (its client gone, its time up) must not lose
+            # the worker, which goes back to the queue, or is replaced, whatever happens to the request.
+            refused = await asyncio.shield(self.checking[key])
         if refused is not None:
             raise GrammarError(refused)
+
+    def remembered(self, key: GrammarKey) -> str | None:
+        """Why ``key`` was refused, while that is remembered; else None."""
+        message, until = self.refused.get(key) or ("", 0.0)
+        return message if asyncio.get_running_loop().time() < until else None
 
     async def free_worker(self) -> CheckWorker:
         """A worker, once one is free (the first call starts them); GrammarCheckBusy after ``timeout_s``."""
@@ -221,7 +241,8 @@ class GrammarChecker:
         finally:
             del self.checking[key]
         if refused is not None:
-            self.refused[key] = refused
+            kept = math.inf if lives else self.stopped_refusal_kept_s
+            self.refused[key] = (refused, asyncio.get_running_loop().time() + kept)
         if lives:
             self.idle.put_nowait(worker)
         else:

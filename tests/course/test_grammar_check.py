@@ -107,3 +107,33 @@ def test_a_request_cancelled_during_its_check_loses_no_worker():
             checker.close()
 
     run(scenario())
+
+
+def test_a_refusal_at_the_time_limit_is_remembered_for_a_while_only():
+    """Sent again, a grammar refused at the time limit is refused at once with the same message
+    (no worker spends the limit on it again), but only for ``stopped_refusal_kept_s``: the limit
+    was hit under that moment's load, so later it is checked anew. A malformed grammar, the
+    library's own verdict, stays refused."""
+
+    async def timed(checker, key) -> tuple[str, float]:
+        started = time.monotonic()
+        with pytest.raises(GrammarError) as refused:
+            await checker.check(key)
+        return str(refused.value), time.monotonic() - started
+
+    async def scenario():
+        checker = GrammarChecker(workers=1, timeout_s=1.0, stopped_refusal_kept_s=3.0)
+        try:
+            first, took = await timed(checker, patterns(24))
+            assert "took longer than 1 s" in first and took >= 1.0, (first, took)
+            again, took = await timed(checker, patterns(24))
+            assert again == first and took < 0.5, f"sent again within the minute: {again!r} after {took:.2f} s"
+            bad, _ = await timed(checker, ("regex", "[0-9"))
+            await asyncio.sleep(3.0)
+            later, took = await timed(checker, patterns(24))
+            assert later == first and took >= 1.0, f"past stopped_refusal_kept_s it is checked anew; {took:.2f} s"
+            assert checker.remembered(("regex", "[0-9")) == bad, "the library's own verdict is remembered for good"
+        finally:
+            checker.close()
+
+    run(scenario())
