@@ -13,6 +13,12 @@ def check_chunked_req_not_running(engine, what: str) -> None:
     already finished, two rows writing one slot) names nothing the learner wrote."""
     pending = getattr(engine.scheduler, "chunked_req", None)
     if pending is not None and any(req is pending for req in engine.scheduler.running):
+        if pending.device_len >= len(pending.fill_ids):  # its last chunk ran: the pointer is what is stale
+            raise AssertionError(
+                f"{what}: chunked_req still names request {pending.rid}, whose last chunk has run (it is running, "
+                "decoding): the scheduler takes a request out of chunked_req when it schedules its next chunk "
+                "(admit_new_requests), so that the next step does not schedule it a second time"
+            )
         raise AssertionError(
             f"{what}: request {pending.rid} is half prefilled (chunked_req) and still in the running list: a request "
             "whose prefill is unfinished has no token to decode; it leaves the running list until its last chunk"

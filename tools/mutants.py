@@ -1258,6 +1258,26 @@ MUTANTS: list[Mutant] = [
         r"lock the new match before",
     ),
     Mutant(
+        "s07-empty-chunk-when-budget-spent",
+        "s07_chunked_prefill/scheduler.py",
+        "a request the step's spent budget would cut to nothing runs whole (it is the step's only prefill)",
+        edit(
+            "        if self.chunked_prefill_size is None or budget < 1:",
+            "        if self.chunked_prefill_size is None:",
+        ),
+        r"pass of 0 tokens",
+    ),
+    Mutant(
+        "s07-chunked-req-not-cleared",
+        "s07_chunked_prefill/scheduler.py",
+        "a request leaves chunked_req when its next chunk is scheduled",
+        edit(
+            "                return []\n            self.chunked_req = None\n",
+            "                return []\n",
+        ),
+        r"chunked_req still names request",
+    ),
+    Mutant(
         "s07-duplicates-kept",
         "s07_chunked_prefill/prefix_cache.py",
         "a chunk's own copies of tokens the tree already held are freed",

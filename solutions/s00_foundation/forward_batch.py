@@ -95,8 +95,13 @@ class ForwardBatch:
         device in the same single copy as the token ids and positions."""
         if len(new_token_ids) != len(prefix_lens):
             raise ValueError(f"{len(new_token_ids)} requests but {len(prefix_lens)} prefix lengths")
-        if any(len(ids) == 0 for ids in new_token_ids):
-            raise ValueError("every request in a forward batch needs at least one new token")
+        empty = [i for i, ids in enumerate(new_token_ids) if len(ids) == 0]
+        if empty:
+            raise ValueError(
+                f"every request in a forward batch needs at least one new token; the request(s) at position(s) "
+                f"{empty[:8]} of this batch of {len(new_token_ids)} have none: did the scheduler give a request a "
+                "pass of 0 tokens (a prefill cut to nothing by what was left of the step's budget, say)?"
+            )
         flat = [t for ids in new_token_ids for t in ids]
         positions = [p + i for ids, p in zip(new_token_ids, prefix_lens) for i in range(len(ids))]
         extend_lens = [len(ids) for ids in new_token_ids]

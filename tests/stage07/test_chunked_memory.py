@@ -81,13 +81,15 @@ def test_cache_unfinished_req_locks_the_new_match_before_unlocking_the_old():
             f"cache_unfinished_req after the chunk of tokens {start}..{end - 1}, with a cache that evicts "
             "whatever becomes evictable"
         )
+        assert match.cached_len == end, (
+            f"{what}: it returned a match of {match.cached_len} tokens; the request's new match is the tree's copy of "
+            f"all {end} tokens it inserted (match_prefix after the insert), which replaces the match it was given"
+        )
         freed = [s for s in match.slots.tolist() if not bool(allocator.page_allocated[s])]
-        assert match.cached_len == end and not freed and match.node in cache._all_nodes(), (
+        assert not freed and match.node in cache._all_nodes(), (
             f"{what}: the request's new match ({match.cached_len} tokens) was evicted from under it (slots "
-            f"{freed[:6]} are free "
-            "again): between unlocking the old match and locking the new one, its tokens were an unlocked leaf. Lock "
-            "the "
-            "new match BEFORE unlocking the old one"
+            f"{freed[:6]} are free again): between unlocking the old match and locking the new one, its tokens were "
+            "an unlocked leaf. Lock the new match BEFORE unlocking the old one"
         )
         assert cache.protected_size_ == end, (
             f"{what}: the request's {end} tokens must be locked, {cache.protected_size_} are"
