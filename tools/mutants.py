@@ -1079,6 +1079,18 @@ MUTANTS: list[Mutant] = [
         r"split",
     ),
     Mutant(
+        "s06-split-takes-the-whole-edge",
+        "s06_radix_cache/radix_cache.py",
+        "a match that ends inside an edge takes only the part it matched: the split node's slots",
+        edit(
+            """                node = self._split_node(child, n)
+                values.append(node.value)""",
+            """                node = self._split_node(child, n)
+                values.append(child.value)""",
+        ),
+        r"a match is never longer than its key",
+    ),
+    Mutant(
         "s06-lock-only-the-node",
         "s06_radix_cache/radix_cache.py",
         "a lock covers the whole path: the node and every node above it",

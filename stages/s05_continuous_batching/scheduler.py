@@ -195,6 +195,12 @@ class Scheduler:
     def start_req(self, req: Req, match: PrefixMatch) -> None:
         """Give an admitted request a table row whose first ``match.cached_len`` positions point
         at the cached slots (none here); its next pass computes the rest of its fill_ids."""
+        if match.cached_len > req.max_prefix_len:  # (the table row below would take the extra slots silently)
+            raise ValueError(
+                f"request {req.rid}: the prefix cache matched {match.cached_len} tokens of a key of "
+                f"{req.max_prefix_len} (its fill_ids[:max_prefix_len]): a match is never longer than its key. (Stage "
+                "6: where the key leaves an edge in the middle, the edge is split and only its matched part counts)"
+            )
         try:
             [row] = self.runner.req_to_token_pool.alloc(1)
         except PoolExhaustedError as error:  # the pool has max_running_requests rows: admission miscounted

@@ -36,10 +36,13 @@ def shared_workload():
     return prompts, [6, 4, 5, 7, 3, 6, 4, 5, 3]
 
 
-def test_shared_prefix_workload_equals_no_cache_and_alone(tiny_model_dir):
+# lpm matches every waiting prompt to order the queue before admission does (splitting the edges
+# they leave), fcfs does not: admission's own match then meets the edges to split
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_shared_prefix_workload_equals_no_cache_and_alone(tiny_model_dir, policy):
     prompts, limits = shared_workload()
-    what = f"{tiny_model_dir.name}, shared-system-prompt workload"
-    cached, _ = radix_engine(tiny_model_dir, pool_size=1024, max_running_requests=4)
+    what = f"{tiny_model_dir.name}, shared-system-prompt workload, schedule_policy={policy!r}"
+    cached, _ = radix_engine(tiny_model_dir, pool_size=1024, max_running_requests=4, schedule_policy=policy)
     plain, _ = radix_engine(tiny_model_dir, enable_radix_cache=False, pool_size=1024, max_running_requests=4)
     # The first request alone first, so the others find the system prompt cached.
     got = run_all(cached, prompts[:1], limits[:1], what) + run_all(cached, prompts[1:], limits[1:], what)
