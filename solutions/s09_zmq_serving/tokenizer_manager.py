@@ -5,10 +5,11 @@ stays text: ``s00 tokenizer.py``), a completion prompt is tokenized as it is (to
 checked and passed on); a chat's tools, and the calls and results in its history, go to a template
 that knows tools, or are written into the messages for one that does not (``tool_calls.py``).
 Aborts and debug questions pass through unchanged, on the same road as the requests, so they can
-never overtake them. A prompt it cannot tokenize (no chat
-template, ids outside the vocabulary, a ``name`` the template would drop) goes straight back to
-the API server as an ``ErrorOut`` (400); anything else a request makes it raise is a fault of the
-server (500), and the worker goes on with the next message (``worker_loop.py``).
+never overtake them. A prompt it cannot tokenize (no chat template, ids outside the vocabulary, a
+``name`` the template would drop, a text longer than the model's context, found out a window at a
+time: ``check_fits``) goes straight back to the API server as an ``ErrorOut`` (400); anything else
+a request makes it raise is a fault of the server (500), and the worker goes on with the next
+message (``worker_loop.py``).
 
 (In SGLang the TokenizerManager lives inside the API server process and tokenizes on its event
 loop; here it is a process of its own, so a long prompt's tokenization never stalls the HTTP side.)
@@ -21,24 +22,34 @@ from typing import Any
 import zmq
 from jinja2 import TemplateError
 
+from s00_foundation.config import ModelConfig
+from s00_foundation.loader import resolve_model_path
 from s00_foundation.tokenizer import Tokenizer, marker, marker_tag
 
 from .io_struct import DebugFaultReq, ErrorOut, GenerateReqInput, TokenizedGenerateReqInput
 from .tool_calls import chat_template_input
 from .worker_loop import Fault, serve_messages
 
+# Tokenized a window at a time, a text can count a few tokens more than it makes whole: a cut
+# splits the token it falls in (or a control token's spelling), and may change the merges beside
+# it (measured with SmolLM2's tokenizer on English, CJK, digits, spaces: at most 2 per cut). So a
+# text is refused only when its count, less this much per cut, passes the context.
+TOKENS_PER_CUT = 16
+
 
 class PromptError(ValueError):
-    """A prompt this tokenizer cannot serve; ``param`` is the request field at fault."""
+    """A prompt this tokenizer cannot serve; ``param`` is the request field at fault, ``code``
+    OpenAI's error code (``context_length_exceeded``)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, context_len: int):
         self.tokenizer = tokenizer
+        self.context_len = context_len  # the model's own: no engine holds a longer prompt
         self.fault = Fault()
         # The longest token in characters: a text of more than context * this many characters
         # cannot fit the context whatever it says (for a byte-level tokenizer a character is at
@@ -52,8 +63,16 @@ class TokenizerManager:
         if req.messages is not None:
             messages, tools = chat_template_input(req.messages, req.tools, self.tokenizer.knows_tools)
             self.check_names_are_used(messages)
+            if self.tokenizer.is_chat:  # (without a template apply_chat_template refuses the messages)
+                self.check_fits(
+                    self.tokenizer.hf.apply_chat_template(
+                        messages, tools=tools, tokenize=False, add_generation_prompt=True
+                    ),
+                    "messages",
+                )
             ids = self.tokenizer.apply_chat_template(messages, tools=tools)
         elif req.text is not None:
+            self.check_fits(req.text, "prompt")
             ids = self.tokenizer.encode(req.text)
             if not ids:  # "" (with no BOS token to add): nothing for the model to continue
                 raise PromptError("prompt: the text makes no tokens at all; send some text", "prompt")
@@ -64,6 +83,28 @@ class TokenizerManager:
             if bad:
                 raise PromptError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
         return TokenizedGenerateReqInput(req.rid, ids, req.sampling_params, req.fill_max_new_tokens, req.echo)
+
+    def check_fits(self, text: str, param: str) -> None:
+        """Refuse (PromptError) a prompt ``text`` that makes more tokens than the context, without
+        tokenizing all of it. The API server's cap on characters cannot see this: a CJK character
+        makes up to 3 tokens, so 660,000 of them (under the cap) made 1.8 million tokens and took
+        the tokenizer 2 s, every other request waiting, only to be refused. Counted a window of
+        ``context_len`` characters at a time, such a text passes the context in its first window.
+        A text that fits is then tokenized whole, as before (its ids exact)."""
+        window = self.context_len
+        if len(text) <= window:  # one window: tokenizing it whole costs no more
+            return
+        count = 0
+        for cuts, start in enumerate(range(0, len(text), window)):
+            count += len(self.tokenizer.hf(text[start : start + window], add_special_tokens=False)["input_ids"])
+            if count - cuts * TOKENS_PER_CUT > self.context_len:
+                raise PromptError(
+                    f"the prompt is longer than the model's context of {self.context_len} tokens: its first "
+                    f"{min(start + window, len(text))} of {len(text)} characters already make more; it was "
+                    "refused before the rest was tokenized",
+                    param,
+                    code="context_length_exceeded",
+                )
 
     def check_names_are_used(self, messages: list[dict[str, Any]]) -> None:
         """A message's ``name`` must reach the prompt: rendered with a marker in place of each
@@ -86,7 +127,8 @@ class TokenizerManager:
 
 def run_tokenizer_process(server_args, ipc, ready, heartbeats) -> None:
     """The tokenizer process: PULL from the API server, PUSH to the scheduler, forever."""
-    manager = TokenizerManager(Tokenizer(server_args.model))
+    folder = resolve_model_path(server_args.model)
+    manager = TokenizerManager(Tokenizer(folder), ModelConfig.from_folder(folder).max_position_embeddings)
     context = zmq.Context()
     recv_from_api = context.socket(zmq.PULL)
     recv_from_api.bind(ipc.tokenizer)
@@ -101,7 +143,7 @@ def run_tokenizer_process(server_args, ipc, ready, heartbeats) -> None:
                 message = manager.tokenize(message)
             except (ValueError, TemplateError) as error:
                 param = getattr(error, "param", "messages" if message.messages is not None else "prompt")
-                send_to_api.send_pyobj(ErrorOut(message.rid, str(error), 400, param))
+                send_to_api.send_pyobj(ErrorOut(message.rid, str(error), 400, param, getattr(error, "code", None)))
                 return
         elif isinstance(message, DebugFaultReq):
             manager.fault.arm(message, "tokenizer")
