@@ -61,13 +61,13 @@ from .protocol import (
 from .request_guard import RequestGuard
 from .server_args import ServerArgs, served_stage
 from .tool_calls import ToolCallParser, read_whole, resolve_tool_choice, stream_delta, tool_call_schema
-from .worker_loop import INJECTED, Heartbeats
+from .worker_loop import IDLE_POLL_MS, INJECTED, Heartbeats
 
 if TYPE_CHECKING:  # stage 11's, imported when a request first asks for a grammar
     from s11_structured_output.grammar_check import GrammarChecker
 
 SHUTTING_DOWN = "the server is shutting down; the request was cut short"
-METRICS_TIMEOUT_S = 10  # a scrape waits this long for the scheduler (Prometheus' own default scrape_timeout)
+METRICS_TIMEOUT_S = 10  # a scrape waits this long for the workers (Prometheus' own default scrape_timeout)
 
 
 def sse(data: dict | str) -> str:
@@ -479,8 +479,15 @@ def create_app(
         try:
             answer = await asyncio.wait_for(queue.get(), timeout=timeout)
         except TimeoutError:
+            # The question waits in each worker's queue in turn: name the one stuck longest
+            # (an idle worker comes round every IDLE_POLL_MS: one that has not for twice that is busy)
+            ages = heartbeats.ages() if heartbeats is not None else {}
+            stuck = max(ages, key=ages.__getitem__, default=None)
+            busy = stuck is not None and ages[stuck] > 2 * IDLE_POLL_MS / 1000
+            why = f"; the {stuck} has not come round its loop for {ages[stuck]:.0f} s" if busy else ""
             raise InvalidRequest(
-                f"the scheduler did not answer in {timeout:g} s (a long step, or a stalled process: see /health)",
+                f"the workers did not answer in {timeout:g} s (the question passes the tokenizer, the scheduler "
+                f"and the detokenizer in turn: one is busy with a long step, or stalled){why}; see /health",
                 status_code=503,
                 type="server_error",
             ) from None

@@ -218,6 +218,25 @@ def test_health_says_503_while_the_scheduler_is_stuck(guarded_server):
     )
 
 
+def test_metrics_during_a_stall_name_the_stuck_process(guarded_server):
+    """/metrics asks the scheduler through the tokenizer; while the tokenizer is stuck, its 503 must
+    not blame the scheduler alone."""
+    from s09_zmq_serving.api_server import METRICS_TIMEOUT_S
+
+    server = guarded_server
+    server.arm_fault("tokenizer", "stall", METRICS_TIMEOUT_S + 2)
+    thread, _ = in_background(lambda: post(server, COMPLETIONS, GOOD))  # the request the tokenizer stalls on
+    time.sleep(0.5)
+    error = assert_openai_error(
+        server.get("/metrics"), 503, f"/metrics while the tokenizer is stuck for longer than {METRICS_TIMEOUT_S} s"
+    )
+    assert "the tokenizer has not come round its loop" in error["message"], (
+        f"the 503 should name the stuck tokenizer: {error}"
+    )
+    thread.join(30)
+    assert_nothing_leaked(wait_idle(server, "a stalled tokenizer"), "a stalled tokenizer")
+
+
 def test_a_request_past_its_timeout_is_aborted_and_its_kv_freed(guarded_server):
     server = guarded_server
     limit = GUARD_LIMITS["request_timeout"]
