@@ -19,7 +19,7 @@ from .http_errors import error_response
 
 
 class RequestGuard:
-    """ASGI middleware, before any route: the API key (401), no Content-Encoding (415), then the
+    """ASGI middleware, before any route: the API key (401), no compressed body (415), then the
     body, read whole under a size cap (413, before anyone parses it, whether or not the client
     declared its length) and within ``read_timeout`` seconds (408), and UTF-8 (400). The route
     then gets the body from memory."""
@@ -39,17 +39,19 @@ class RequestGuard:
                     "a valid API key is required: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 )(scope, receive, send)
-        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in (b"", b"identity"):
-            return await error_response(
-                415,
-                f"Content-Encoding {encoding[:40].decode('latin-1')!r} is not supported: send the body uncompressed",
-            )(scope, receive, send)
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit():
             return await error_response(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}")(
                 scope, receive, send
             )
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        # (a request without a body, a GET from a client that sends the header on every request,
+        # has nothing compressed: it passes)
+        if encoding not in (b"", b"identity") and (int(declared) or b"transfer-encoding" in headers):
+            return await error_response(
+                415,
+                f"Content-Encoding {encoding[:40].decode('latin-1')!r} is not supported: send the body uncompressed",
+            )(scope, receive, send)
         if int(declared) > self.max_bytes:
             return await self.too_large(scope, receive, send)
         body, more = bytearray(), True

@@ -471,6 +471,11 @@ def test_a_compressed_body_a_wrong_method_and_an_unknown_path_say_what_is_allowe
     assert answer.status_code == 404 and CHAT in answer.json()["error"]["message"], (
         f"an unknown path should be a 404 naming the API's paths; got {answer.status_code} {answer.text[:300]}"
     )
+    answer = requests.get(url + "/health", headers={"Content-Encoding": "gzip"}, timeout=60)
+    assert answer.status_code == 200, (
+        f"a request without a body has nothing compressed: its Content-Encoding must not refuse it; got "
+        f"{answer.status_code} {answer.text[:300]}"
+    )
     assert_good_request_works(tiny_server, "a gzip body, a GET and an unknown path")
 
 
