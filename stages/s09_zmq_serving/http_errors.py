@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .io_struct import describe_error
-from .protocol import InvalidRequest, error_body
+from .protocol import FIELD_SHAPES, InvalidRequest, error_body
 
 CLIENT_CLOSED_REQUEST = 499  # the status logged for a request whose client left (nginx's convention)
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -72,6 +72,42 @@ def walk(kind, part: str | int) -> list:
     return []
 
 
+def field_path(loc: typing.Sequence[str | int]) -> list[str]:
+    """The fields and indexes of an error's ``loc`` up to the first union member pydantic names
+    ("float", "list[str]"), or a key that is no field (logit_bias' "50256")."""
+    path = []
+    for part in loc:
+        if isinstance(part, str) and (part in UNION_TAGS or not FIELD_NAME.fullmatch(part)):
+            break
+        path.append(str(part))
+    return path
+
+
+def wrong_shape(path: list[str], first: dict, errors: list[dict]) -> str:
+    """The 400 for the field at ``path`` that takes several shapes (``FIELD_SHAPES``) and matched
+    none: the shapes it takes, and what was wrong, said by the member that got furthest (about an
+    item inside a list), or else the kind of JSON value that was sent."""
+    field = first["loc"][: len(path) + 1]  # ("body", *path)
+    mine = [error for error in errors if error["loc"][: len(field)] == field]
+    deepest = max(mine, key=lambda error: len(error["loc"]))
+    message = f"{'.'.join(path)} must be {FIELD_SHAPES[path[-1]]}"
+    if len(deepest["loc"]) <= len(field) + 1:  # no member got past the value itself
+        return f"{message}, got {json_kind(first.get('input'))}"
+    inside = ".".join(path + [str(part) for part in deepest["loc"][len(field) + 1 :]])  # past the member's tag
+    return f"{message}; {inside}: {deepest['msg']} (got {deepest.get('input')!r:.80})"
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, in words: "null", "true", "a number (5)", "an object", ..."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r:.40})"
+    if isinstance(value, str):
+        return f"a string ({value!r:.40})"
+    return "a list" if isinstance(value, list) else "an object"
+
+
 def json_bytes(content) -> bytes:
     """JSON that always renders: a string no UTF-8 can hold (a lone surrogate in an echoed value)
     is written as its \\u escape instead of failing the whole answer."""
@@ -103,12 +139,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         # FastAPI says 422 with its own body; OpenAI clients expect 400 and OpenAI's error body.
-        first = exc.errors()[0]
-        loc = []
-        for part in first.get("loc", ())[1:]:  # loc[0] is "body"
-            if isinstance(part, str) and (part in UNION_TAGS or not FIELD_NAME.fullmatch(part)):
-                break  # pydantic names the union member it tried ("float", "list[str]"): not a field
-            loc.append(str(part))
+        errors = exc.errors()
+        # A list past its cap says so whatever else is wrong (in a union, beside "not a string")
+        first = next((error for error in errors if error["type"] == "too_long"), errors[0])
+        loc = field_path(first.get("loc", ())[1:])  # loc[0] is "body"
         if first.get("type") == "json_invalid":  # FastAPI puts the character the parser stopped at in loc
             position = first.get("loc", ())[1:]
             at = f" at character {position[0]}" if position and isinstance(position[0], int) else ""
@@ -122,7 +156,21 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(
                 400, f"the request body must be a JSON object sent with Content-Type: application/json{how}"
             )
+        if first.get("loc") == ("body",) and first.get("type") == "missing":
+            return error_response(
+                400, "the request body is empty; send a JSON object with Content-Type: application/json"
+            )
         where = ".".join(loc) or "body"
+        if first["type"] == "too_long":
+            items = "entries" if first["ctx"]["field_type"] == "Dictionary" else "items"
+            got = first["ctx"].get("actual_length")  # (None for a dict, whose size is checked after its items)
+            return error_response(
+                400,
+                f"{where} may hold at most {first['ctx']['max_length']} {items}, got {got or 'more'}",
+                param=where,
+            )
+        if loc and loc[-1] in FIELD_SHAPES and len(first["loc"]) > len(loc) + 1:  # the members of a union all failed
+            return error_response(400, wrong_shape(loc, first, errors), param=where)
         route = request.scope.get("route")
         body_model = getattr(getattr(route, "body_field", None), "field_info", None)
         if first.get("type") == "extra_forbidden" and body_model is not None:

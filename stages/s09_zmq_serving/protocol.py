@@ -34,11 +34,13 @@ A field that would change the result and that this server does not do (suffix, b
 is rejected with a 400 naming it, never silently ignored; a field nobody knows is rejected too
 (OpenAI does the same), so a typo cannot pass unnoticed.
 
-Every field has explicit bounds (``check_limits``; the table is in the README): a string must be
-encodable as UTF-8 (JSON allows a lone surrogate such as "\\ud800"; a tokenizer does not), an
-integer that reaches a tensor fits its range (top_k at most the vocabulary, a seed within 64 bits,
-max_tokens within the context), a float is finite, stop strings are few and short, and a prompt
-that cannot fit the context is refused by its length, before anyone spends time tokenizing it.
+Each list (and logit_bias) whose items pydantic checks one by one holds a bounded number of them
+and stops at the first bad one (``capped``). Every field has explicit bounds (``check_limits``;
+the table is in the README): a string must be encodable as UTF-8 (JSON allows a lone surrogate
+such as "\\ud800"; a tokenizer does not), an integer that reaches a tensor fits its range (top_k
+at most the vocabulary, a seed within 64 bits, max_tokens within the context), a float is finite,
+stop strings are few and short, and a prompt that cannot fit the context is refused by its
+length, before anyone spends time tokenizing it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from s02_request_and_sampling.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
@@ -61,6 +63,14 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]  # a mode
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; a few more for clients that send longer lists
 MAX_STOP_CHARS = 256  # each stop string; the detokenizer searches them at every step
+# A message costs at least one token of the context (check_limits holds them to it); this bound,
+# far past any conversation, only caps what a hostile list costs to read before that check
+MAX_MESSAGES = 65536
+MAX_CONTENT_PARTS = 1024  # a message's parts, joined into its text (clients send one or a few)
+MAX_TOOL_CALLS = 128  # one assistant turn's calls: as many as the tools a request may offer (OpenAI's 128)
+# One entry per token at most, and the largest vocabularies (Gemma's) have 262,144 tokens
+# (check_limits then holds the keys to this model's own)
+MAX_LOGIT_BIAS = 262144
 MAX_NAME_CHARS = 64  # a message's name (OpenAI's limit)
 MAX_CHOICES = 16  # n: each choice is a request of its own in the engine (OpenAI allows 128)
 MAX_PROMPTS = 64  # a completion's batch of prompts: each prompt's n choices are requests of their own
@@ -100,9 +110,38 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# The fields that take several shapes, as a 400 about a wrong one names them (else pydantic's
+# error about the first shape it tried, "Input should be a valid string", is all a client sees)
+FIELD_SHAPES = {
+    "content": 'a string, or a list of parts like {"type": "text", "text": "..."}',
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "tool_choice": '"none", "auto", "required", or {"type": "function", "function": {"name": "..."}}',
+}
+
+
+def capped(most: int | None = None) -> Any:
+    """A list (or dict) field of the body: at most ``most`` items, and validation stops at its
+    first bad item. pydantic would otherwise report every one: a 4 MB body of two million bad
+    items made two million errors, which FastAPI lists on the event loop, 20 s in which no other
+    client was answered, /health included."""
+    return Field(max_length=most, fail_fast=True)
+
+
 class _Strict(BaseModel):
     # strict: "0.5" is not a number and 1.0 is not an integer; forbid: unknown fields are errors
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def one_unknown_field(cls, data: Any) -> Any:
+        """An object with more keys than the model has fields holds unknown ones, each an error of
+        its own: 300,000 of them took 2 s to list on the event loop. The first is enough to refuse
+        it (the 400 names it), so the others are dropped before validation."""
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            unknown = next(key for key in data if key not in cls.model_fields)
+            data = {key: value for key, value in data.items() if key in cls.model_fields or key == unknown}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -132,9 +171,10 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None  # None only in an assistant's message that calls tools
+    # None only in an assistant's message that calls tools
+    content: str | Annotated[list[ContentPart], capped(MAX_CONTENT_PARTS)] | None = None
     name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_calls: Annotated[list[ToolCall], capped(MAX_TOOL_CALLS)] | None = None  # an assistant's calls
     tool_call_id: Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)] | None = None  # a tool's result
 
 
@@ -170,7 +210,7 @@ class _SamplingFields(_Strict):
     min_p: Number | None = None  # extension
     repetition_penalty: Number | None = None  # extension
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], capped(MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
@@ -179,16 +219,17 @@ class _SamplingFields(_Strict):
     n: int | None = None
     logprobs: Any = None  # chat: a bool, completions: an int (requested_logprobs)
     top_logprobs: int | None = None
-    logit_bias: dict[str, Number] | None = None  # JSON keys are strings: token ids spelled in decimal
+    # JSON keys are strings: token ids spelled in decimal
+    logit_bias: Annotated[dict[str, Number], capped(MAX_LOGIT_BIAS)] | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     min_tokens: int | None = None  # extension: SamplingParams.min_new_tokens
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], capped(MAX_MESSAGES)]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    tools: list[Tool] | None = None  # tool_calls.py
+    tools: Annotated[list[Tool], capped()] | None = None  # tool_calls.py (which allows 128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -214,7 +255,12 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
     if isinstance(request, CompletionRequest):
         unsupported += [
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported by this server"),
-            ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported by this server"),
+            (
+                "best_of",
+                request.best_of not in (None, 1),
+                f"best_of must be 1, the default (this server does not sample extra answers to return the best "
+                f"of; ask for n of them to see several), got {request.best_of}",
+            ),
         ]
     for param, bad, message in unsupported:
         if bad:
@@ -273,9 +319,7 @@ def check_limits(request: ChatCompletionRequest | CompletionRequest, limits: Lim
             f"logit_bias keys must be token ids in [0, {limits.vocab_size}) (the vocabulary), got {bad[:5]}",
             param="logit_bias",
         )
-    stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    stops = [request.stop] if isinstance(request.stop, str) else (request.stop or [])  # (how many: capped)
     if any(len(stop) > MAX_STOP_CHARS for stop in stops):
         raise InvalidRequest(
             f"each stop string may be at most {MAX_STOP_CHARS} characters long, got one of {max(map(len, stops))}",

@@ -252,6 +252,23 @@ def test_a_request_past_its_timeout_is_aborted_and_its_kv_freed(guarded_server):
     assert_nothing_leaked(state, "a request aborted at its timeout")
 
 
+def test_a_body_of_a_million_bad_items_does_not_stall_the_server(tiny_server):
+    """A million list items that are not messages: pydantic's report on each, turned into a list
+    on the API server's event loop, held every client (/health too) for over 10 s. The list stops
+    at its first bad item (protocol.capped), so the 400 comes at once."""
+    body = '{"model": "llama", "messages": [' + ",".join(["1"] * 1_000_000) + "]}"
+    thread, out = in_background(lambda: post(tiny_server, "/v1/chat/completions", data=body))
+    slowest = 0.0
+    while thread.is_alive():
+        start = time.monotonic()
+        tiny_server.health()
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.02)
+    error = assert_openai_error(out[0], 400, "a body of a million messages that are not objects")
+    assert error["param"] == "messages.0", f"the 400 should name the first bad item: {error}"
+    assert slowest < 2, f"/health took {slowest:.1f} s to answer while the server read the bad body"
+
+
 def test_a_message_name_is_used_or_refused(tiny_server, default_server):
     """The tiny server's chat template prints a message's name; the default model's does not, so
     there a name would be dropped without a word: it is refused instead."""
