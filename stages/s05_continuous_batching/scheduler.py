@@ -197,9 +197,11 @@ class Scheduler:
         at the cached slots (none here); its next pass computes the rest of its fill_ids."""
         if match.cached_len > req.max_prefix_len:  # (the table row below would take the extra slots silently)
             raise ValueError(
-                f"request {req.rid}: the prefix cache matched {match.cached_len} tokens of a key of "
-                f"{req.max_prefix_len} (its fill_ids[:max_prefix_len]): a match is never longer than its key. (Stage "
-                "6: where the key leaves an edge in the middle, the edge is split and only its matched part counts)"
+                f"request {req.rid}: the prefix cache matched {match.cached_len} tokens, more than the "
+                f"{req.max_prefix_len} of its key, fill_ids[:max_prefix_len]: admission matches only that key, since "
+                "at least the last token is computed (its logits give the next token), and a match is never longer "
+                "than its key (stage 6: where the key leaves an edge in the middle, the edge is split and only its "
+                "matched part counts)"
             )
         try:
             [row] = self.runner.req_to_token_pool.alloc(1)

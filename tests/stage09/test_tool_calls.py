@@ -230,7 +230,7 @@ DEEP = json.loads('{"a":' * 70 + "1" + "}" * 70)  # 70 objects, one in another
         ({"tools": [BAD, BAD]}, "tools.1.function.name", "twice"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "function"),
         ({"tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
-        ({"tools": [BAD], "tool_choice": "always"}, "tool_choice", "'auto'"),
+        ({"tools": [BAD], "tool_choice": "always"}, "tool_choice", '"auto"'),
         ({"tools": [BAD], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not among"),
         ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "128"),
         ({"tools": [BAD], "response_format": {"type": "json_object"}}, "response_format", "cannot both"),
