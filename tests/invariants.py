@@ -93,17 +93,18 @@ def watch_evict(cache):
     return cache
 
 
-def capped_steps(engine, max_steps: int = 2000):
+def capped_steps(engine, max_steps: int = 2000, what: str = ""):
     """Yield 1, 2, ... while ``engine`` has work, for the caller to run one step each: a loop
-    ``while engine.has_work`` that cannot run forever. After ``max_steps`` it fails, naming any
-    finished request still in the running list (nothing would ever take it out)."""
+    ``while engine.has_work`` that cannot run forever. After ``max_steps`` it fails (its message
+    prefixed with ``what``), naming any finished request still in the running list (nothing would
+    ever take it out)."""
     for step in range(1, max_steps + 1):
         if not engine.has_work:
             return
         yield step
     stayed = [req.rid for req in engine.scheduler.running if req.finished]
     raise AssertionError(
-        f"the engine still has work after {max_steps} steps: is a request stuck?"
+        f"{what + ': ' if what else ''}the engine still has work after {max_steps} steps: is a request stuck?"
         + (
             f" Request(s) {stayed} finished but are still in the running list: a finished request leaves it (and is "
             "released) in the step it finishes"

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from invariants import check_all, watch_evict
+from invariants import capped_steps, check_all, watch_evict
 from reference import engine_model, engine_tokenizer
 from s02_request_and_sampling.sampling_params import SamplingParams
 from s08_cuda_graph.engine import CudaGraphEngine
@@ -48,17 +48,14 @@ def check_finished_left_running(engine, where: str) -> None:
     )
 
 
-def stepped(engine, what: str, max_steps: int = 1000):
+def stepped(engine, what: str, max_steps: int = 999):
     """Yield each step's outputs until the engine has no work, checking every invariant after each
     step, for at most ``max_steps`` steps (a request that never leaves would keep it going)."""
-    steps = 0
-    while engine.has_work:
+    for step in capped_steps(engine, max_steps, what):
         outputs = engine.step()
-        steps += 1
-        check_finished_left_running(engine, f"{what}, after step {steps}")
-        check_all(engine, f"{what}, after step {steps}")
+        check_finished_left_running(engine, f"{what}, after step {step}")
+        check_all(engine, f"{what}, after step {step}")
         yield outputs
-        assert steps < max_steps, f"{what}: the engine still has work after {max_steps} steps: is a request stuck?"
 
 
 def step_until_idle(engine, what: str) -> list:
