@@ -5,12 +5,12 @@ OpenAI's clients read every error as one JSON shape and expect 400 for a request
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "top_k", "code": null}}
 
-FastAPI would answer a body that fails validation with 422 and its own list of problems,
-Starlette a body it cannot parse with a bare "There was an error parsing the body", and an
-unexpected exception with plain text. ``install_error_handlers`` makes each of them answer in
-OpenAI's shape instead, saying what was wrong (the field, the character where the JSON broke, the
-JSON too deep to parse, the method a path takes), and every answer renders, even one that echoes
-a string no UTF-8 can hold. (A body that is not UTF-8 is refused before, by ``RequestGuard``.)
+FastAPI would answer a body that fails validation (``body_reader.py`` raises FastAPI's own error)
+with 422 and its own list of problems, Starlette a path it does not know with a bare "Not Found",
+and an unexpected exception with plain text. ``install_error_handlers`` makes each of them answer
+in OpenAI's shape instead, saying what was wrong (the field, the character where the JSON broke,
+the method a path takes), and every answer renders, even one that echoes a string no UTF-8 can
+hold. (A body that is not UTF-8 is refused before, by ``RequestGuard``.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import sys
 import types
 import typing
 
@@ -171,12 +170,11 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         if loc and loc[-1] in FIELD_SHAPES and len(first["loc"]) > len(loc) + 1:  # the members of a union all failed
             return error_response(400, wrong_shape(loc, first, errors), param=where)
-        route = request.scope.get("route")
-        body_model = getattr(getattr(route, "body_field", None), "field_info", None)
+        body_model = getattr(exc, "model", None)  # the route's model (body_reader.py's BodyError)
         if first.get("type") == "extra_forbidden" and body_model is not None:
             # pydantic says only "Extra inputs are not permitted": name what the object may hold
             # (a misspelt "temprature" is then plain to see)
-            allowed = fields_at(body_model.annotation, first["loc"][1:-1])
+            allowed = fields_at(body_model, first["loc"][1:-1])
             if allowed:
                 unknown = ".".join(map(str, first["loc"][1:]))[:200]  # the key as sent, whatever its characters
                 close = difflib.get_close_matches(str(first["loc"][-1])[:100], allowed, n=1)
@@ -197,15 +195,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         detail, headers = str(exc.detail), exc.headers
         path = f"{request.url.path:.200}"
-        # FastAPI's "There was an error parsing the body" hides why json.loads gave up; say it
-        if isinstance(exc.__cause__, RecursionError):
-            detail = "the request body is JSON nested too deeply to parse; send a flatter body"
-        elif isinstance(exc.__cause__, ValueError) and "integer string conversion" in str(exc.__cause__):
-            detail = (
-                f"the request body holds an integer of more than {sys.get_int_max_str_digits()} digits, "
-                "which the JSON parser refuses; no field of this API takes one"
-            )
-        elif exc.status_code == 405 and headers and "Allow" in headers:  # Starlette names the methods in Allow
+        if exc.status_code == 405 and headers and "Allow" in headers:  # Starlette names the methods in Allow
             detail = f"{request.method} {path}: this path takes {headers['Allow']}"
         elif exc.status_code == 404 and detail == "Not Found":
             detail = (

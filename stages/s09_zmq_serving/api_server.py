@@ -5,11 +5,12 @@
     GET  /metrics                                      (only with --enable-metrics: metrics.py)
     GET  /debug/state           POST /debug/fault      (only with --enable-debug-endpoints)
 
-A request is validated here (``protocol.py``), given a request id, and sent on through the
-``EngineClient`` (``engine_client.py``); its answer comes back a text piece at a time, on the
-request's own queue. ``OpenAIServing`` turns those pieces into OpenAI's answer: one JSON object,
-or a stream of Server-Sent Events (one ``data: {json chunk}`` line and a blank line per piece,
-then ``data: [DONE]``). A client that goes away (the connection closes) has its request aborted:
+A request is read and validated here (``protocol.py``; a large body off the event loop:
+``body_reader.py``), given a request id, and sent on through the ``EngineClient``
+(``engine_client.py``); its answer comes back a text piece at a time, on the request's own queue.
+``OpenAIServing`` turns those pieces into OpenAI's answer: one JSON object, or a stream of
+Server-Sent Events (one ``data: {json chunk}`` line and a blank line per piece, then
+``data: [DONE]``). A client that goes away (the connection closes) has its request aborted:
 the scheduler frees its KV before its next step.
 
 Before any of that, the guards (README, "What can go wrong in a server"): ``RequestGuard``
@@ -27,6 +28,7 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
@@ -36,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from s02_request_and_sampling.sampling_params import MAX_SEED
 
+from .body_reader import BodyReader
 from .engine_client import ClientGone, EngineClient, OutputPiece, rejection
 from .http_errors import CLIENT_CLOSED_REQUEST, OpenAIJSONResponse, error_response, install_error_handlers, json_bytes
 from .http_server import ConnectionLimit
@@ -160,6 +163,7 @@ class OpenAIServing:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = ServerMetrics(self.model_names[0]) if server_args.enable_metrics else None
         self.grammar_checker: GrammarChecker | None = None
+        self.body_reader = BodyReader()
 
     def fail_all_from_any_thread(self, message: str, status: int) -> None:
         """Answer every request in flight, and every later one, with ``message`` (the launcher's
@@ -177,9 +181,9 @@ class OpenAIServing:
             )
         return self.model_names[0]
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+    async def chat_completions(self, request: Request):
         arrived = asyncio.get_running_loop().time()  # the metrics time the request from here
-        check_limits(body, self.limits)
+        body = await self.body_reader.read(request, ChatCompletionRequest, partial(check_limits, limits=self.limits))
         model = self.check_model(body.model)
         check_supported(body)
         messages = chat_messages(body)
@@ -214,9 +218,9 @@ class OpenAIServing:
         )
         return await self.generate(request, plan, [req])
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, request: Request):
         arrived = asyncio.get_running_loop().time()
-        check_limits(body, self.limits)
+        body = await self.body_reader.read(request, CompletionRequest, partial(check_limits, limits=self.limits))
         model = self.check_model(body.model)
         check_supported(body)
         prompts = completion_prompts(body)
@@ -401,6 +405,7 @@ def create_app(
         reader = asyncio.create_task(client.reader_loop())
         yield
         reader.cancel()
+        serving.body_reader.close()
         if serving.grammar_checker is not None:
             serving.grammar_checker.close()
 
@@ -420,12 +425,12 @@ def create_app(
         app.add_middleware(HTTPRequestCounter, metrics=serving.metrics, router=app.router)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await serving.chat_completions(body, request)
+    async def chat_completions(request: Request):
+        return await serving.chat_completions(request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request)
+    async def completions(request: Request):
+        return await serving.completions(request)
 
     def model_card(name: str) -> dict:
         return {
@@ -523,8 +528,9 @@ def create_app(
             }
 
         @app.post("/debug/fault")
-        async def debug_fault(fault: DebugFault):
+        async def debug_fault(request: Request):
             """Arm a fault: the next request ``process`` handles raises or stalls (the guards' tests)."""
+            fault = await serving.body_reader.read(request, DebugFault)
             if fault.process == "api_server":
                 raise RuntimeError(INJECTED)  # this very request is the one that fails
             return await ask_workers(DebugFaultReq(new_id("fault"), fault.process, fault.kind, fault.seconds))
