@@ -1290,6 +1290,13 @@ MUTANTS: list[Mutant] = [
         r"chunked_req still names request",
     ),
     Mutant(
+        "s07-stale-match-returned",
+        "s07_chunked_prefill/prefix_cache.py",
+        "cache_unfinished_req returns the NEW match (the tree's copy of the prefix), not the one it was given",
+        edit("        return new_match\n        # END EXERCISE", "        return match\n        # END EXERCISE"),
+        r"returned a match of \d+ tokens",
+    ),
+    Mutant(
         "s07-duplicates-kept",
         "s07_chunked_prefill/prefix_cache.py",
         "a chunk's own copies of tokens the tree already held are freed",

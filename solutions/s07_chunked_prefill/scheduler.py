@@ -198,6 +198,15 @@ class ChunkedPrefillScheduler(RadixScheduler):
         table = self.runner.req_to_token_pool.req_to_token
         slots = table[req.req_pool_idx, : req.cached_len].clone()
         match = self.prefix_cache.cache_unfinished_req(req.fill_ids[: req.cached_len], slots, req.prefix_match)
+        aligned = req.cached_len // self.page_size * self.page_size
+        if isinstance(self.prefix_cache, RadixCache) and match.cached_len < aligned:
+            # Said here: a stale match otherwise surfaces steps later as a double free of the
+            # duplicates the tree just freed, far from its cause.
+            raise RuntimeError(
+                f"request {req.rid}: cache_unfinished_req returned a match of {match.cached_len} tokens, but the "
+                f"tree now holds the request's first {aligned} (its whole pages): return the tree's match of what "
+                "was inserted (match_prefix after the insert), locked, not the match it was given"
+            )
         table[req.req_pool_idx, : match.cached_len] = match.slots
         req.prefix_match = match
 
