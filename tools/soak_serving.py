@@ -16,8 +16,9 @@ Every client thread, until the time is up, picks a kind of client by weight and 
                 0.2 s, while its grammar compiles or runs
     malformed   broken JSON, wrong types, unknown fields, hostile strings (lone surrogates, NUL,
                 template syntax) and numbers (2**63, 10**30, NaN, Infinity): an OpenAI error (4xx)
-    huge        a body over the server's cap (413), a prompt longer than any context (400), or a
-                long generation (256 tokens) read to the end
+    huge        a body over the server's cap (413), a chat of 20,000 content parts (under the cap,
+                read off the event loop: 200), a prompt longer than any context (400), or a long
+                generation (256 tokens) read to the end
     disconnect  a stream dropped after a few chunks, or a client that gives up after 0.2 s
     slow        a connection that sends half a request head and waits: the server must close it
 
@@ -570,9 +571,14 @@ class Soak:
 
     def huge(self, rng: random.Random) -> None:
         roll, cap = rng.random(), self.guards["max_request_bytes"]
-        if roll < 0.3:  # a body over the cap
+        path = COMPLETIONS
+        if roll < 0.25:  # a body over the cap
             body = {"model": self.model, "prompt": "x" * (cap + 1), "max_tokens": 2}
             allowed = {413}
+        elif roll < 0.4:  # valid, and large only in items: read off the event loop (body_reader.py)
+            parts = [{"type": "text", "text": ""}] * 1000 + [{"type": "text", "text": rng.choice(PROMPTS)}]
+            body = {"model": self.model, "messages": [{"role": "user", "content": parts}] * 20, "max_tokens": 2}
+            path, allowed = CHAT, {200, *BUSY}
         elif roll < 0.6:  # a prompt no context can hold: refused before it is tokenized
             body = {
                 "model": self.model,
@@ -589,8 +595,8 @@ class Soak:
                 "stream": True,
             }
             allowed = {200, *BUSY}
-        answer = self.post(COMPLETIONS, json.dumps(body).encode())
-        self.record("huge", str(answer.status_code), answer_problems(COMPLETIONS, body, answer, allowed))
+        answer = self.post(path, json.dumps(body).encode())
+        self.record("huge", str(answer.status_code), answer_problems(path, body, answer, allowed))
 
     def disconnect(self, rng: random.Random) -> None:
         body = {"model": self.model, "prompt": rng.choice(PROMPTS), "max_tokens": 200, "ignore_eos": True}
