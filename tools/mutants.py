@@ -2297,6 +2297,92 @@ MUTANTS: list[Mutant] = [
         ),
         r"num_key_value_heads|divide",
     ),
+    Mutant(
+        "s12-lm-head-follower-skips-gather",
+        "s12_tensor_parallel/layers.py",
+        "a follower joins the logits' gather before it returns None: rank 0 waits there for every rank's slice",
+        edit(
+            "        logits = self.tp.gather_to_first(F.linear(x, self.weight).float())\n",
+            "        if not self.tp.is_first:\n"
+            "            return None\n"
+            "        logits = self.tp.gather_to_first(F.linear(x, self.weight).float())\n",
+        ),
+        r"joins every collective",
+    ),
+    Mutant(
+        "s12-embedding-skips-all-reduce",
+        "s12_tensor_parallel/layers.py",
+        "a rank that owns none of the batch's ids still joins the embedding's all-reduce (with zeros)",
+        edit(
+            "        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)\n",
+            "        if not mine.any():\n"
+            "            return torch.zeros(*ids.shape, self.weight.shape[1], dtype=self.weight.dtype)\n"
+            "        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)\n",
+        ),
+        r"joins every collective",
+    ),
+    Mutant(
+        "s12-logits-not-float32",
+        "s12_tensor_parallel/layers.py",
+        "rank 0 samples from float32 logits, as one device does, whatever the model's dtype",
+        edit(
+            "self.tp.gather_to_first(F.linear(x, self.weight).float())",
+            "self.tp.gather_to_first(F.linear(x, self.weight))",
+        ),
+        r"float32",
+    ),
+    Mutant(
+        "s12-embedding-float32-mask",
+        "s12_tensor_parallel/layers.py",
+        "the embedding's mask multiplies in the table's dtype: a float32 mask promotes a bfloat16 hidden state",
+        edit(
+            "        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)",
+            "        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).float()",
+        ),
+        r"dtype",
+    ),
+    Mutant(
+        "s12-embedding-ids-in-place",
+        "s12_tensor_parallel/layers.py",
+        "the embedding builds its shard's local ids in a new tensor: the batch's input_ids are the caller's",
+        edit(
+            "        local = torch.where(mine, ids - self.shard.start, 0)",
+            "        local = ids\n        local[~mine] = self.shard.start\n        local -= self.shard.start",
+        ),
+        r"in place",
+    ),
+    Mutant(
+        "s12-refused-by-assert",
+        "s12_tensor_parallel/layers.py",
+        "heads that cannot split are refused with ValueError (the engine's refusal before any process starts)",
+        edit(
+            """    if num_heads % tp.size:
+        raise ValueError(
+            f"num_attention_heads={num_heads} does not divide by tp_size={tp.size}: each rank must hold whole heads"
+        )
+""",
+            """    assert num_heads % tp.size == 0, (
+        f"num_attention_heads={num_heads} does not divide by tp_size={tp.size}"
+    )
+""",
+        ),
+        r"raise ValueError",
+    ),
+    Mutant(
+        "s12-follower-keeps-rows-written",
+        "s12_tensor_parallel/tp_worker.py",
+        "a follower writes each request's whole table row every step: a freed row is reused by another request",
+        edit(
+            """        for row, slots in zip(self.req_pool_indices, self.table_rows):
+            table[row, : len(slots)] = torch.tensor(slots, dtype=table.dtype, device=device)""",
+            """        written = runner.__dict__.setdefault("rows_written", {})  # row -> slots already written
+        for row, slots in zip(self.req_pool_indices, self.table_rows):
+            done = min(written.get(row, 0), len(slots))
+            table[row, done : len(slots)] = torch.tensor(slots[done:], dtype=table.dtype, device=device)
+            written[row] = len(slots)""",
+        ),
+        r"reused by another",
+    ),
 ]
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from s00_foundation.config import ModelConfig
 from s00_foundation.forward_batch import ForwardBatch, ForwardMode
 from s12_tensor_parallel.engine import TPEngine
-from s12_tensor_parallel.layers import VocabParallelEmbedding, head_ranges
+from s12_tensor_parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, head_ranges
 from s12_tensor_parallel.parallel_state import TPGroup
 from s12_tensor_parallel.tp_worker import BatchMessage
 from s12_tensor_parallel.weight_loader import load_tp_model
@@ -25,10 +26,11 @@ def group(rank: int, size: int) -> TPGroup:
 
 def test_heads_split_and_kv_heads_replicate():
     # 8 query heads, 4 KV heads, 2 ranks: 4 + 2 each
-    assert [tuple(map(list, head_ranges(8, 4, group(r, 2)))) for r in range(2)] == [
-        ([0, 1, 2, 3], [0, 1]),
-        ([4, 5, 6, 7], [2, 3]),
-    ]
+    got = [tuple(map(list, head_ranges(8, 4, group(r, 2)))) for r in range(2)]
+    assert got == [([0, 1, 2, 3], [0, 1]), ([4, 5, 6, 7], [2, 3])], (
+        f"8 query heads, 4 KV heads on 2 ranks: (query heads, KV heads) per rank should be 4 consecutive query "
+        f"heads and 2 consecutive KV heads each (rank r: q [4r, 4r + 4), KV [2r, 2r + 2)), got {got}"
+    )
     # 4 query heads, 2 KV heads, 4 ranks: each KV head on the two ranks whose query heads read it
     got = [tuple(map(list, head_ranges(4, 2, group(r, 4)))) for r in range(4)]
     assert got == [([0], [0]), ([1], [0]), ([2], [1]), ([3], [1])], (
@@ -54,6 +56,12 @@ def test_heads_that_cannot_split_are_refused_clearly(heads, kv_heads, tp, named)
         got = head_ranges(heads, kv_heads, group(0, tp))
     except ValueError as error:
         message = str(error)
+    except AssertionError as error:  # the learner's own assert: its message would read as this test's
+        pytest.fail(
+            f"head_ranges({heads} query heads, {kv_heads} KV heads) on tp_size={tp} refused with an assert "
+            f"(AssertionError: {error}); raise ValueError instead: the engine reports a ValueError before any process "
+            "starts, and `python -O` drops asserts"
+        )
     else:
         pytest.fail(
             f"head_ranges({heads} query heads, {kv_heads} KV heads) on tp_size={tp} gave rank 0 "
@@ -85,19 +93,88 @@ def test_each_id_is_looked_up_by_the_one_rank_that_owns_it(tp):
         rows = table[shard.start : shard.stop]
         embedding.weight.data = torch.cat([rows, rows.new_zeros(shard.size - len(rows), hidden)])
         owned = f"rank {rank} of {tp} holds the embedding rows of ids [{shard.start}, {shard.stop})"
+        given = ids.clone()  # each rank its own copy: one rank's lookup must not change the next rank's ids
         try:
-            parts.append(embedding(ids))
+            parts.append(embedding(given))
         except IndexError as error:  # an id past its shard (not NotImplementedError: that says "not written yet")
             pytest.fail(
                 f"{owned}; looking up ids 0..{vocab - 1} raised {error!r}: a rank looks up only the ids it owns, id i "
                 f"at row i - {shard.start} of its shard"
             )
+        assert torch.equal(given, ids), (
+            f"{owned}; looking up ids {ids.tolist()} changed them in place to {given.tolist()}: they are the batch's "
+            "input_ids, which the caller still owns; build the shard's local ids in a new tensor (torch.where)"
+        )
         wrong = [i for i in range(vocab) if (parts[-1][i] != 0).any() != (shard.start <= i < shard.stop)]
         assert not wrong, (
             f"{owned}; its part for ids {wrong} is wrong: a rank writes the rows of the ids it owns, zeros for all "
             "others (the all-reduce adds every rank's part)"
         )
     torch.testing.assert_close(sum(parts), table[ids], msg=lambda m: f"tp={tp}: the ranks' parts added up: {m}")
+
+
+class Recording(NoCommunication):
+    """A rank of a group in one process that counts the collectives it joins (``counts``, the
+    group's own field); its gather gives rank 0 a copy of its own part for every rank (a test
+    reads only the shape and dtype), None elsewhere."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.counts["all_reduce"] += 1
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        self.counts["gather"] += 1
+        return torch.cat([x] * self.size, dim=-1) if self.is_first else None
+
+
+def filled(layer: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    for param in layer.parameters():
+        param.data = torch.randn(param.shape).to(dtype)
+    return layer
+
+
+def test_every_rank_joins_every_collective_whatever_it_holds():
+    # Rank 1 of 2 owns ids [5, 10) of a 10-id vocabulary; the batch's ids are all rank 0's.
+    vocab, hidden, ids, h = 10, 4, torch.tensor([0, 1, 2]), torch.randn(3, 4)
+    layers = {  # name: (the layer on a rank, its input, the one collective it joins)
+        "VocabParallelEmbedding": (lambda tp: VocabParallelEmbedding("embed", vocab, hidden, tp), ids, "all_reduce"),
+        "RowParallelLinear": (lambda tp: RowParallelLinear("o_proj", 8, hidden, True, tp), h, "all_reduce"),
+        "ParallelLMHead": (lambda tp: ParallelLMHead("lm_head", vocab, hidden, tp, None), h, "gather"),
+    }
+    for name, (make, x, collective) in layers.items():
+        follower = Recording(1, 2, torch.device("cpu"))
+        out = filled(make(follower))(x)
+        assert dict(follower.counts) == {collective: 1}, (
+            f"rank 1 of 2: {name}'s forward joined the collectives {dict(follower.counts)}, expected one {collective}: "
+            "every rank joins every collective of a forward, whatever ids or rows it holds (here none of the batch's "
+            "ids are rank 1's; ParallelLMHead: a follower returns None only after joining the gather). A rank that "
+            "skips one leaves the others waiting inside it until the group's timeout ('Timed out waiting ... for "
+            "recv'), or pairs their next collective with the wrong one"
+        )
+        if name == "VocabParallelEmbedding":
+            assert not out.any(), f"rank 1 owns none of the ids {ids.tolist()}: its part should be zeros, got {out}"
+        if name == "ParallelLMHead":
+            assert out is None, f"ParallelLMHead on rank 1 of 2 returned {type(out).__name__}: only rank 0 gets logits"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_layers_keep_the_models_dtype_and_the_logits_are_float32(tp):
+    # A bfloat16 model (the GPU's dtype): 9 ids on 2 ranks, shards of 5, the last id of rank 1's padding.
+    rank0 = Recording(0, tp, torch.device("cpu"))
+    vocab, hidden = 9, 4
+    embedding = filled(VocabParallelEmbedding("embed", vocab, hidden, rank0), torch.bfloat16)
+    x = embedding(torch.tensor([0, 3, 4]))
+    assert x.dtype == torch.bfloat16, (
+        f"tp={tp}: a bfloat16 embedding table gave a {x.dtype} hidden state: the mask multiplies in the table's "
+        "dtype (mine.to(weight.dtype)); a float32 mask promotes it, and the next bfloat16 layer refuses it"
+    )
+    logits = filled(ParallelLMHead("lm_head", vocab, hidden, rank0, None), torch.bfloat16)(x)
+    got = None if logits is None else (logits.dtype, tuple(logits.shape))
+    assert got == (torch.float32, (3, vocab)), (
+        f"tp={tp}: rank 0's ParallelLMHead on a bfloat16 model gave logits of (dtype, shape) {got}, expected "
+        f"float32 of shape (3, {vocab}): rank 0 samples and scores log-probabilities from float32 logits, as one "
+        "device does (compute_logits' .float()), every rank's slice gathered, the padding past the vocabulary cut off"
+    )
 
 
 @pytest.mark.parametrize("family, tp", [("llama", 2), ("qwen2", 2), ("qwen3", 4), ("llama_gqa_bias", 2), ("llama3", 2)])
@@ -205,3 +282,30 @@ def test_a_follower_rebuilds_rank_0s_batch_field_for_field():
             f"the follower's {name} is {getattr(rebuilt, name)!r}, rank 0's {getattr(batch, name)!r}: every rank "
             "runs the same batch (extra_logit_rows: every rank joins the gather of the prompt rows rank 0 scores)"
         )
+
+
+def test_a_table_row_reused_by_another_request_is_written_whole_again():
+    # Step 1: a request in row 1 decodes its 7th token. It finishes; step 2: a new request, in the
+    # same row, prefills 3 tokens into slots the allocator chose again.
+    follower = Follower(2, 16)
+    steps = [([1], [7], [1], [30, 31, 32, 33, 34, 35, 36]), ([1], [3], [3], [50, 51, 52])]
+    for rows, seq_lens, extend_lens, slots in steps:
+        table = torch.zeros(2, 16, dtype=torch.int32)
+        table[rows[0], : len(slots)] = torch.tensor(slots)
+        n = extend_lens[0]
+        batch = ForwardBatch(
+            input_ids=torch.arange(n),
+            positions=torch.arange(seq_lens[0] - n, seq_lens[0]),
+            extend_lens=extend_lens,
+            seq_lens=seq_lens,
+            attn_backend=None,
+            req_pool_indices=torch.tensor(rows),
+            out_cache_loc=torch.tensor(slots[-n:]),
+        )
+        BatchMessage.of(batch, table).to_forward_batch(follower)
+    got = follower.req_to_token_pool.req_to_token[1, :3].tolist()
+    assert got == [50, 51, 52], (
+        f"row 1's first 3 slots on the follower are {got} after the new request's step, rank 0's [50, 51, 52]: "
+        "a row freed by one request is reused by another, so a follower writes every request's whole table row "
+        "every step (table_rows), keeping nothing from an earlier step"
+    )
