@@ -2383,6 +2383,26 @@ MUTANTS: list[Mutant] = [
         ),
         r"reused by another",
     ),
+    Mutant(
+        "s12-padding-cut-from-the-front",
+        "s12_tensor_parallel/layers.py",
+        "the padding rows are the last slice's last rows: the cut keeps the first vocab_size logits",
+        edit(
+            "        return None if logits is None else logits[:, : self.vocab_size]",
+            "        return None if logits is None else logits[:, -self.vocab_size :]",
+        ),
+        r"start with rank 0's slice",
+    ),
+    Mutant(
+        "s12-bias-before-and-after",
+        "s12_tensor_parallel/layers.py",
+        "a row-parallel layer adds its bias once, after the all-reduce (not also inside each rank's partial product)",
+        edit(
+            "        y = self.tp.all_reduce(F.linear(x, self.weight))",
+            "        y = self.tp.all_reduce(F.linear(x, self.weight, self.bias))",
+        ),
+        r"bias once",
+    ),
 ]
 
 

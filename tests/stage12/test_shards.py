@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
@@ -136,20 +137,35 @@ def filled(layer: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
 def test_every_rank_joins_every_collective_whatever_it_holds():
     # Rank 1 of 2 owns ids [5, 10) of a 10-id vocabulary; the batch's ids are all rank 0's.
     vocab, hidden, ids, h = 10, 4, torch.tensor([0, 1, 2]), torch.randn(3, 4)
-    layers = {  # name: (the layer on a rank, its input, the one collective it joins)
-        "VocabParallelEmbedding": (lambda tp: VocabParallelEmbedding("embed", vocab, hidden, tp), ids, "all_reduce"),
-        "RowParallelLinear": (lambda tp: RowParallelLinear("o_proj", 8, hidden, True, tp), h, "all_reduce"),
-        "ParallelLMHead": (lambda tp: ParallelLMHead("lm_head", vocab, hidden, tp, None), h, "gather"),
+    layers = {  # name: (the layer on a rank, its input, the one collective it joins, in the lesson's words)
+        "VocabParallelEmbedding": (
+            lambda tp: VocabParallelEmbedding("embed", vocab, hidden, tp),
+            ids,
+            "all_reduce",
+            "the embedding's all-reduce",
+        ),
+        "RowParallelLinear": (
+            lambda tp: RowParallelLinear("o_proj", 8, hidden, True, tp),
+            h,
+            "all_reduce",
+            "the row-parallel all-reduce",
+        ),
+        "ParallelLMHead": (
+            lambda tp: ParallelLMHead("lm_head", vocab, hidden, tp, None),
+            h,
+            "gather",
+            "the logits' gather",
+        ),
     }
-    for name, (make, x, collective) in layers.items():
+    for name, (make, x, collective, what) in layers.items():
         follower = Recording(1, 2, torch.device("cpu"))
         out = filled(make(follower))(x)
         assert dict(follower.counts) == {collective: 1}, (
-            f"rank 1 of 2: {name}'s forward joined the collectives {dict(follower.counts)}, expected one {collective}: "
-            "every rank joins every collective of a forward, whatever ids or rows it holds (here none of the batch's "
-            "ids are rank 1's; ParallelLMHead: a follower returns None only after joining the gather). A rank that "
-            "skips one leaves the others waiting inside it until the group's timeout ('Timed out waiting ... for "
-            "recv'), or pairs their next collective with the wrong one"
+            f"rank 1 of 2: {name}'s forward joined the collectives {dict(follower.counts)}, expected one {collective} "
+            f"({what}): every rank joins every collective of a forward, whatever ids or rows it holds (here none "
+            "of the batch's ids are rank 1's; ParallelLMHead: a follower returns None only after joining the "
+            "gather). A rank that skips one leaves the others waiting inside it until the group's timeout ('Timed "
+            "out waiting ... for recv'), or pairs their next collective with the wrong one"
         )
         if name == "VocabParallelEmbedding":
             assert not out.any(), f"rank 1 owns none of the ids {ids.tolist()}: its part should be zeros, got {out}"
@@ -168,12 +184,42 @@ def test_the_layers_keep_the_models_dtype_and_the_logits_are_float32(tp):
         f"tp={tp}: a bfloat16 embedding table gave a {x.dtype} hidden state: the mask multiplies in the table's "
         "dtype (mine.to(weight.dtype)); a float32 mask promotes it, and the next bfloat16 layer refuses it"
     )
-    logits = filled(ParallelLMHead("lm_head", vocab, hidden, rank0, None), torch.bfloat16)(x)
+    head = filled(ParallelLMHead("lm_head", vocab, hidden, rank0, None), torch.bfloat16)
+    logits = head(x)
     got = None if logits is None else (logits.dtype, tuple(logits.shape))
     assert got == (torch.float32, (3, vocab)), (
         f"tp={tp}: rank 0's ParallelLMHead on a bfloat16 model gave logits of (dtype, shape) {got}, expected "
         f"float32 of shape (3, {vocab}): rank 0 samples and scores log-probabilities from float32 logits, as one "
         "device does (compute_logits' .float()), every rank's slice gathered, the padding past the vocabulary cut off"
+    )
+    assert logits is not None
+    own = F.linear(x, head.weight).float()
+    torch.testing.assert_close(
+        logits[:, : own.shape[1]],
+        own,
+        msg=lambda m: (
+            f"tp={tp}: the gathered logits should start with rank 0's slice of the vocabulary (ids 0.."
+            f"{own.shape[1] - 1}): the padding is the last rows of the last slice, so the cut keeps "
+            f"logits[:, :vocab_size]. {m}"
+        ),
+    )
+
+
+def test_a_row_parallel_layer_adds_its_bias_once_after_the_sum():
+    # An all-reduce of 2 ranks whose partial products are equal (the test's stand-in: twice this rank's).
+    class Doubling(Recording):
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.size
+
+    layer = filled(RowParallelLinear("o_proj", 8, 4, True, Doubling(0, 2, torch.device("cpu"))))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(
+        layer(x),
+        2 * F.linear(x, layer.weight) + layer.bias,
+        msg=lambda m: (
+            "RowParallelLinear with a bias, rank 0 of 2: the output should be the all-reduce of the partial products "
+            "plus the bias once (added before the all-reduce, each rank's copy is summed: tp_size times). " + m
+        ),
     )
 
 
