@@ -115,7 +115,8 @@ def vocab_shard(name: str, vocab_size: int, tp: TPGroup) -> Shard:
 
 class VocabParallelEmbedding(nn.Module):
     """The embedding table split by rows: this rank looks up the ids in its range and writes
-    zeros for the others; the all-reduce fills every row from the rank that owns its id."""
+    zeros for the others; the all-reduce fills every row from the rank that owns its id (every
+    rank joins it, even one that owns none of the batch's ids)."""
 
     def __init__(self, name: str, vocab_size: int, hidden_size: int, tp: TPGroup):
         super().__init__()
@@ -149,7 +150,8 @@ class ParallelLMHead(nn.Module):
         return [self.shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits [rows, vocab] on rank 0; None on the other ranks."""
+        """Float32 logits [rows, vocab] on rank 0, whatever the model's dtype; None on the other
+        ranks, which join the gather all the same."""
         raise NotImplementedError(
             "Stage 12: this rank's logits, gathered on rank 0, the padding cut off - see stages/s12_tensor_parallel/README.md#lm-head"  # noqa: E501 (one message, the learner's to read whole)
         )
