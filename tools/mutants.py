@@ -2146,6 +2146,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"roll",
     ),
+    Mutant(
+        "s11-regex-with-text-refused",
+        "s11_structured_output/response_format.py",
+        'response_format {"type": "text"} is no constraint: a regex goes with it',
+        edit(
+            'if regex is not None and response_format not in (None, {"type": "text"}):',
+            "if regex is not None and response_format is not None:",
+        ),
+        r"text is no constraint",
+    ),
     # --- stage 12: tensor parallelism ------------------------------------------------------------
     Mutant(
         "s12-kv-head-modulo",

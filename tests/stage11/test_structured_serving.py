@@ -24,7 +24,9 @@ from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "stage09"))
 
+from s09_zmq_serving.protocol import InvalidRequest  # noqa: E402
 from s11_structured_output.response_format import grammar_fields  # noqa: E402
+from s11_structured_output.sampling_params import canonical_schema  # noqa: E402
 from serving_helpers import Server, post, read_sse  # noqa: E402
 from structured_helpers import REGEXES, SCHEMAS, constrained, engine_on  # noqa: E402
 
@@ -84,10 +86,20 @@ def test_response_format_and_regex_map_to_the_grammar_fields():
             "the schema INSIDE json_schema, not its wrapper {name, schema, strict}",
         ),
         ((None, "[a-z]+"), {"regex": "[a-z]+"}, "SGLang's regex field as it is"),
+        (({"type": "text"}, "[a-z]+"), {"regex": "[a-z]+"}, "text is no constraint, so a regex goes with it"),
     ]
     for (response_format, regex), want, why in cases:
-        got = grammar_fields(response_format, regex)
-        assert got == want, f"response_format={response_format}, regex={regex!r}: fields {got}, expected {want} ({why})"
+        try:
+            got = grammar_fields(response_format, regex)
+        except InvalidRequest as error:
+            pytest.fail(
+                f"response_format={response_format}, regex={regex!r}: refused ({error}), expected {want} ({why})"
+            )
+        # a schema as a dict or as its JSON text: StructuredSamplingParams reads either the same way
+        spelled = [{k: canonical_schema(v) if k == "json_schema" else v for k, v in d.items()} for d in (got, want)]
+        assert spelled[0] == spelled[1], (
+            f"response_format={response_format}, regex={regex!r}: fields {got}, expected {want} ({why})"
+        )
 
 
 def test_the_openai_parse_helper_gets_its_pydantic_model(server):
@@ -146,6 +158,10 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
     assert [out.text for out in offline] == texts, f"served {texts}, offline {[out.text for out in offline]}"
 
 
+# an unknown response_format type is refused with the types that are: each named, in any words
+SUPPORTED_TYPES = ("text", "json_object", "json_schema")
+
+
 @pytest.mark.parametrize(
     "body,param,words",
     [
@@ -156,7 +172,7 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
         ),
         ({"regex": "[0-9"}, "regex", "unclosed"),
         ({"regex": "a", "response_format": {"type": "json_object"}}, "regex", "response_format"),
-        ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format", SUPPORTED_TYPES),
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
         ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict", "not a field"),
         ({"response_format": {"type": "text", "foo": 1}}, "response_format.foo", "not a field"),
@@ -171,8 +187,8 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
             "response_format",
             "nan at maximum",
         ),
-        ({"response_format": {"type": ["json_object"]}}, "response_format", "use text, json_object or json_schema"),
-        ({"response_format": {"type": {"json": 1}}}, "response_format", "use text, json_object or json_schema"),
+        ({"response_format": {"type": ["json_object"]}}, "response_format", SUPPORTED_TYPES),
+        ({"response_format": {"type": {"json": 1}}}, "response_format", SUPPORTED_TYPES),
         (  # deeper than Python's JSON writes (its recursion limit)
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"x": deep_arrays(950)}}}},
             "response_format.json_schema.schema",
@@ -202,14 +218,17 @@ def test_json_schema_and_regex_answers_follow_their_grammar(server, tiny_models_
     ],
 )
 def test_a_grammar_that_cannot_be_served_is_a_400_naming_it(server, body, param, words):
+    """``words``: a pattern the message must match, or a tuple of words it must all hold (in any order)."""
     request = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, **body}
     response = post(server, "/v1/chat/completions", data=as_json(request))
     error = response.json().get("error", {}) if response.status_code == 400 else {}
+    patterns = [rf"\b{re.escape(word)}\b" for word in words] if isinstance(words, tuple) else [words]
+    wanted = f"all of {words}" if isinstance(words, tuple) else repr(words)
     assert (
         response.status_code == 400
         and error.get("param") == param
-        and re.search(words, error.get("message", ""), re.IGNORECASE)
-    ), f"{body}: expected a 400 on {param!r} matching {words!r}; got {response.status_code} {response.text[:300]}"
+        and all(re.search(pattern, error.get("message", ""), re.IGNORECASE) for pattern in patterns)
+    ), f"{body}: expected a 400 on {param!r} matching {wanted}; got {response.status_code} {response.text[:300]}"
     assert server.health().status_code == 200, "the server should serve on after a refused grammar"
 
 
