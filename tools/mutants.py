@@ -2147,6 +2147,81 @@ MUTANTS: list[Mutant] = [
         r"roll",
     ),
     Mutant(
+        "s11-ignore-eos-checked-for-regex-only",
+        "s11_structured_output/sampling_params.py",
+        "every grammar, a JSON schema as well as a regex, ends with EOS: ignore_eos cannot go with either",
+        edit("if self.grammar_key is not None and self.ignore_eos:", "if self.regex is not None and self.ignore_eos:"),
+        r"ignore_eos.*a schema too",
+    ),
+    Mutant(
+        "s11-regex-of-any-type",
+        "s11_structured_output/sampling_params.py",
+        "a regex is a non-empty str: a number or a list is refused when the params are built",
+        edit("(not isinstance(self.regex, str) or not self.regex)", "not self.regex"),
+        r"regex.*str",
+    ),
+    Mutant(
+        "s11-empty-schema-is-no-grammar",
+        "s11_structured_output/sampling_params.py",
+        "{} is a schema too (any JSON value): a grammar is given when its field is not None, not when it is truthy",
+        edit(
+            "        if self.json_schema is not None and self.regex is not None:",
+            "        if self.json_schema and self.regex:",
+        ),
+        r"cannot both.*not truth",
+    ),
+    Mutant(
+        "s11-failed-grammar-compiled-again",
+        "s11_structured_output/grammar_backend.py",
+        "a failed compilation stays cached: the same grammar fails the same way, so it is not compiled again",
+        edit(
+            "            if future is None:",
+            "            if future is None or (future.done() and future.exception() is not None):",
+        ),
+        r"failed compilation stays cached",
+    ),
+    Mutant(
+        "s11-aborted-without-finished-time",
+        "s11_structured_output/scheduler.py",
+        "a request aborted for its grammar ends then: time_stats.finished is set, as for any request that ends",
+        edit("                req.time_stats.finished = now\n", ""),
+        r"time_stats\.finished",
+    ),
+    Mutant(
+        "s11-ready-grammar-timed-out",
+        "s11_structured_output/scheduler.py",
+        "grammar_timeout bounds the compilation: a grammar that is ready admits its request however late the poll",
+        edit(
+            "timed_out = not future.done() and now - req.time_stats.arrival > self.grammar_timeout",
+            "timed_out = now - req.time_stats.arrival > self.grammar_timeout",
+        ),
+        r"still compiling",
+    ),
+    Mutant(
+        "s11-ready-grammar-stays-queued",
+        "s11_structured_output/scheduler.py",
+        "a request leaves grammar_queue when its grammar is ready (or fails): left there, every poll admits it again",
+        edit(
+            "            self.grammar_queue.remove((req, future))\n            if timed_out",
+            "            if timed_out",
+        ),
+        r"leaves grammar_queue",
+    ),
+    Mutant(
+        "s11-output-before-abort",
+        "s11_structured_output/scheduler.py",
+        "the aborted request's output carries its finish reason, so it is built after req.abort() sets it",
+        (
+            ("                outputs.append(TokenOutput(req.rid, [], req.finished_reason))\n", ""),
+            (
+                "                req.abort()\n                req.time_stats.finished = now\n",
+                "                outputs.append(TokenOutput(req.rid, [], req.finished_reason))\n"
+                "                req.abort()\n                req.time_stats.finished = now\n",
+            ),
+        ),
+        r"finish reason abort",
+    ),
+    Mutant(
         "s11-regex-with-text-refused",
         "s11_structured_output/response_format.py",
         'response_format {"type": "text"} is no constraint: a regex goes with it',

@@ -58,9 +58,15 @@ class GrammarScheduler(OverlapScheduler):
         return GrammarWorker(self.runner, self.future_map)
 
     def check_invariants(self) -> None:
-        """Stage 10's, and the grammars': each request's grammar is its own (a matcher shared by
-        two requests is moved on by both) and has consumed exactly the tokens its request holds
-        (a future id in flight is not one yet)."""
+        """Stage 10's, and the grammars': a request still compiling is nowhere else; each request's
+        grammar is its own (a matcher shared by two requests is moved on by both) and has consumed
+        exactly the tokens its request holds (a future id in flight is not one yet)."""
+        for req, _ in self.grammar_queue:
+            if req.grammar is not None or req.req_pool_idx is not None or req in self.waiting:
+                raise AssertionError(
+                    f"request {req.rid} is in grammar_queue but was admitted (it has a grammar, a place in line or "
+                    "memory): a request leaves grammar_queue when its grammar is ready, or each poll admits it again"
+                )
         reqs = [r for r in [*self.reqs_holding_memory(), *self.waiting] if r.grammar and not r.finished]
         owners: dict[int, Req] = {}
         for req in reqs:

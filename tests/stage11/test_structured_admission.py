@@ -81,10 +81,11 @@ def test_a_compiling_request_does_not_block_the_others(engine):
             "grammar never blocks the scheduler"
         )
         with torch.inference_mode():
-            for _ in range(500):
+            for step in range(500):
                 if free.finished and fast.finished:
                     break
                 engine.step()
+                check_all(engine, f"after step {step + 1}, one grammar still compiling")
         assert free.finished and fast.finished, (
             "while one request's grammar was compiling, the free request and one with another grammar should "
             f"have run to their end; free: {free}, other grammar: {fast}"
@@ -116,8 +117,9 @@ def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
     assert stuck.grammar_error and re.search("longer than|took|timed? ?out|timeout", stuck.grammar_error), (
         f"its grammar_error should say the grammar took longer than grammar_timeout: {stuck.grammar_error!r}"
     )
-    assert any(out.rid == stuck.rid and out.finish_reason.type == "abort" for out in outputs), (
-        "the timed-out request's end should be streamed like any other's (a TokenOutput with finish reason abort)"
+    assert any(out.rid == stuck.rid and out.finish_reason and out.finish_reason.type == "abort" for out in outputs), (
+        "the timed-out request's end should be streamed like any other's (a TokenOutput with finish reason abort: "
+        "built after req.abort(), which sets it)"
     )
     assert not stalled, (
         "the engine went idle only once the held compilation was let go (after 30 s): the scheduler waited for "
@@ -126,6 +128,23 @@ def test_a_grammar_that_compiles_too_long_aborts_its_request(tiny_models_root):
     )
     assert len(free.output_ids) == 3, f"the free request beside it should run to its end: {free}"
     check_all(engine, "after a grammar timed out")
+
+
+def test_a_grammar_ready_in_time_is_not_timed_out_by_a_late_poll(tiny_models_root):
+    """grammar_timeout bounds the compilation, not the wait for the next poll: a grammar that is ready
+    admits its request however long after its arrival the loop gets to it (a long step before)."""
+    engine = engine_on(tiny_models_root / "qwen3", pool_size=1024, grammar_timeout=5.0)
+    req = engine.add_request([72, 73], constrained("regex", REGEXES[0]))
+    [(_, compiling)] = engine.scheduler.grammar_queue
+    compiling.result(timeout=30)
+    clock = engine.scheduler.clock
+    engine.scheduler.clock = lambda: clock() + 60  # the loop polls a minute after the request came
+    run_until_idle(engine)
+    assert req.grammar_error is None and req.finished_reason is not None and req.finished_reason.type == "stop", (
+        f"a request whose grammar compiled in time was ended ({req.finished_reason}, {req.grammar_error!r}): it "
+        "times out only while its grammar is still compiling (not future.done()), whatever time the poll comes"
+    )
+    assert_follows(req.output_text, req.finished_reason, "regex", REGEXES[0], "the request polled late")
 
 
 def test_a_request_whose_grammar_is_ready_joins_the_end_of_the_line(tiny_models_root):
@@ -167,31 +186,58 @@ def test_a_grammar_that_does_not_compile_aborts_its_request(engine, kind, spec, 
         f"the aborted request's grammar_error should carry the library's reason (mentioning {why!r}): "
         f"{bad.grammar_error!r}"
     )
-    assert any(out.rid == bad.rid and out.finish_reason.type == "abort" for out in outputs), (
-        "the aborted request's end should be streamed like any other's (a TokenOutput with finish reason abort)"
+    assert any(out.rid == bad.rid and out.finish_reason and out.finish_reason.type == "abort" for out in outputs), (
+        "the aborted request's end should be streamed like any other's (a TokenOutput with finish reason abort: "
+        "built after req.abort(), which sets it)"
+    )
+    assert bad.time_stats.finished is not None, (
+        f"the aborted request's time_stats.finished is not set: its latency (and the server's metrics) are "
+        f"measured to the moment it ended: {bad.time_stats}"
     )
     assert_follows(good.output_text, good.finished_reason, "regex", REGEXES[0], "the request beside it")
     check_all(engine, "after a grammar failed")
+    compiled = engine.scheduler.grammar_backend.compilations
+    again = engine.add_request([70, 73], constrained(kind, spec))
+    run_until_idle(engine)
+    assert again.grammar_error == bad.grammar_error and engine.scheduler.grammar_backend.compilations == compiled, (
+        f"the same {kind} sent again was compiled again ({engine.scheduler.grammar_backend.compilations - compiled} "
+        "time(s)): a failed compilation stays cached too, since the same grammar fails the same way "
+        f"(grammar_error {again.grammar_error!r})"
+    )
 
 
 @pytest.mark.parametrize(
-    "fields,message",
+    "fields,message,why",
     [
-        (dict(json_schema={"type": "object"}, regex="a"), "cannot both"),
-        (dict(json_schema="{not json"), "not valid JSON"),
-        (dict(json_schema=[1, 2]), "JSON object"),
-        (dict(regex=""), "non-empty"),
-        (dict(regex="a+", ignore_eos=True), "ignore_eos"),
-        (dict(json_schema={"type": "object"}, min_new_tokens=4), "min_new_tokens"),
+        (dict(json_schema={"type": "object"}, regex="a"), "cannot both", "a request follows one grammar"),
+        (dict(json_schema={}, regex="a"), "cannot both", "{} is a schema too (any JSON): test for None, not truth"),
+        (dict(json_schema="{not json"), "not valid JSON", "canonical_schema reads a schema sent as text"),
+        (dict(json_schema=[1, 2]), "JSON object", "a schema is a JSON object"),
+        (dict(regex=""), "non-empty", "a regex is a non-empty str"),
+        (dict(regex=123), "string", "a regex is a non-empty str"),
+        (dict(regex="a+", ignore_eos=True), "ignore_eos", "any grammar, a regex too, ends with EOS"),
+        (
+            dict(json_schema={"type": "object"}, ignore_eos=True),
+            "ignore_eos",
+            "any grammar, a schema too, ends with EOS",
+        ),
+        (
+            dict(json_schema={"type": "object"}, min_new_tokens=4),
+            "min_new_tokens",
+            "a complete grammar allows only EOS",
+        ),
+        (dict(regex="a+", min_new_tokens=4), "min_new_tokens", "a complete grammar, a regex's too, allows only EOS"),
     ],
 )
-def test_bad_grammar_fields_are_refused_at_once(fields, message):
+def test_bad_grammar_fields_are_refused_at_once(fields, message, why):
     try:
         StructuredSamplingParams(**fields)
     except ValueError as error:
         assert message in str(error), f"StructuredSamplingParams({fields}): the error should say {message!r}: {error}"
     else:
-        pytest.fail(f"StructuredSamplingParams({fields}) should be refused with a ValueError saying {message!r}")
+        pytest.fail(
+            f"StructuredSamplingParams({fields}) should be refused with a ValueError saying {message!r} ({why})"
+        )
 
 
 @pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
