@@ -2181,6 +2181,16 @@ MUTANTS: list[Mutant] = [
         r"failed compilation stays cached",
     ),
     Mutant(
+        "s11-finished-keeps-grammar",
+        "s11_structured_output/scheduler.py",
+        "a request that leaves for good, finished as well as aborted, drops its matcher; a retracted one keeps it",
+        edit(
+            "        else:\n            req.grammar = None",
+            '        elif why == "aborted":\n            req.grammar = None',
+        ),
+        r"drops its matcher",
+    ),
+    Mutant(
         "s11-aborted-without-finished-time",
         "s11_structured_output/scheduler.py",
         "a request aborted for its grammar ends then: time_stats.finished is set, as for any request that ends",
@@ -2230,6 +2240,13 @@ MUTANTS: list[Mutant] = [
             "if regex is not None and response_format is not None:",
         ),
         r"text is no constraint",
+    ),
+    Mutant(
+        "s11-mask-on-the-callers-logits",
+        "s11_structured_output/vocab_mask.py",
+        "the mask works on a float32 COPY of the logits: the log-probabilities are read from the caller's afterwards",
+        edit("logits = logits.to(torch.float32, copy=True)", "logits = logits.float()"),
+        r"COPY of the logits",
     ),
     # --- stage 12: tensor parallelism ------------------------------------------------------------
     Mutant(

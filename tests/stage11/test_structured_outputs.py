@@ -232,6 +232,19 @@ def test_abort_frees_the_grammar(tiny_llama):
     check_all(engine, "after aborts")
 
 
+def test_a_finished_request_drops_its_grammar(tiny_llama):
+    engine = engine_on(tiny_llama, pool_size=512)
+    req = engine.add_request([84, 85], constrained("regex", REGEXES[0]))
+    with torch.inference_mode():
+        while engine.has_work:
+            engine.step()
+    assert req.finished_reason.type == "stop" and req.grammar is None, (
+        f"request {req.rid} ended ({req.finished_reason}) but still holds its grammar ({req.grammar}): any request "
+        "that leaves for good, finished as well as aborted, drops its matcher (release_req); only a retracted "
+        "one keeps it"
+    )
+
+
 @pytest.mark.parametrize("disable_overlap", [False, True], ids=["overlap", "no-overlap"])
 def test_logprobs_are_the_models_own_before_the_mask(tiny_llama, disable_overlap):
     """A constrained request's logprobs describe the model's distribution, not the masked one: they
@@ -247,7 +260,15 @@ def test_logprobs_are_the_models_own_before_the_mask(tiny_llama, disable_overlap
     outputs = engine.generate(prompts, params)
     steered = 0
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        assert_logprobs_match(tiny_llama, prompt, out, params[i].logprobs, f"request {i} of a mixed constrained batch")
+        try:
+            assert_logprobs_match(
+                tiny_llama, prompt, out, params[i].logprobs, f"request {i} of a mixed constrained batch"
+            )
+        except AssertionError as error:
+            raise AssertionError(
+                f"{error}\n(the mask must work on a float32 COPY of the logits: the log-probabilities are read from "
+                "the caller's logits after sampling, and .float() of float32 logits is the same tensor)"
+            ) from None
         steered += sum(bool(e.top) and e.top[0][0] != e.token_id for e in out.logprobs or [])
     assert_follows(outputs[0].text, outputs[0].finish_reason, "json", SCHEMAS["flat"], "the flat schema")
     assert steered > 0, "the grammar forced no token away from the model's own choice: the test shows nothing"
