@@ -1532,6 +1532,62 @@ MUTANTS: list[Mutant] = [
         ),
         r"GQA|grouped|KV head|repeat",
     ),
+    Mutant(
+        "s08-side-waits-after-warmup",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "the side stream waits for the default stream BEFORE the warm-ups: the static buffers were filled there",
+        edit(
+            """            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(NUM_WARMUP_RUNS):
+                    self.model(batch, return_all_logits=True)
+""",
+            """            with torch.cuda.stream(stream):
+                for _ in range(NUM_WARMUP_RUNS):
+                    self.model(batch, return_all_logits=True)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+""",
+        ),
+        r"BEFORE its first warm-up",
+    ),
+    Mutant(
+        "s08-default-waits-before-warmup",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "the default stream waits for the side stream AFTER the warm-ups: a wait orders only the work already queued",
+        edit(
+            """            with torch.cuda.stream(stream):
+                for _ in range(NUM_WARMUP_RUNS):
+                    self.model(batch, return_all_logits=True)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+""",
+            """            torch.cuda.current_stream(self.device).wait_stream(stream)
+            with torch.cuda.stream(stream):
+                for _ in range(NUM_WARMUP_RUNS):
+                    self.model(batch, return_all_logits=True)
+""",
+        ),
+        r"AFTER the\s+last warm-up",
+    ),
+    Mutant(
+        "s08-pool-per-graph",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "every graph is captured into the ONE pool the runner made at start (self.graph_pool), so they share memory",
+        edit(
+            "with torch.cuda.graph(graph, pool=self.graph_pool):",
+            "with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):",
+        ),
+        r"shared graph_pool",
+    ),
+    Mutant(
+        "s08-refill-another-bucket",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a replay reads the metadata views of ITS bucket (bs, kv_len): a refill of another bucket's goes unseen",
+        edit(
+            "replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])\n        return bucket",
+            "replay_cuda_graph(bs, self.max_kv_len, self.req_pool_indices[:bs])\n        return bucket",
+        ),
+        r"its bucket's metadata views",
+    ),
     # --- stage 9: serving ----------------------------------------------------------------------
     Mutant(
         "s09-no-hold-back",

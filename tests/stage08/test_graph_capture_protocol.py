@@ -20,6 +20,7 @@ graphs. ``make gpu-check`` checks the same on a real GPU.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,29 +31,37 @@ from s08_cuda_graph import cuda_graph_runner as cgr
 
 
 class FakeStream:
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, timeline: list[tuple]):
+        self.name, self.timeline = name, timeline
         self.waited_for: list[str] = []
 
     def wait_stream(self, other: "FakeStream") -> None:
         self.waited_for.append(other.name)
+        self.timeline.append(("wait", self.name, other.name))
 
 
 class PoolHandle:
-    """What graph_pool_handle() returns: an opaque handle (named in messages)."""
+    """What graph_pool_handle() returns: an opaque handle (named in messages), a new one, so a
+    new pool, at every call."""
+
+    def __init__(self, number: int):
+        self.number = number
 
     def __repr__(self) -> str:
-        return "<graph_pool>"
+        return f"<graph_pool {self.number}>"
 
 
 class FakeCUDA:
     """torch.cuda's stream and graph API as the capture uses it, recording what happens."""
 
     def __init__(self):
-        self.default = FakeStream("default")
+        # Everything in order: the events below and each wait_stream ("wait", who waits, for whom).
+        self.timeline: list[tuple] = []
+        self.default = FakeStream("default", self.timeline)
         self.current = self.default
         self.capturing: "FakeGraph | None" = None
-        self.pool = PoolHandle()
+        self.pools: list[PoolHandle] = []  # every handle graph_pool_handle() gave
+        self.pool: PoolHandle | None = None  # the runner's own, set once it has one
         self.events: list[tuple] = []  # ("model", stream name, capturing?) and ("capture", pool)
         self.side_streams: list[FakeStream] = []
 
@@ -68,12 +77,16 @@ class FakeCUDA:
         monkeypatch.setattr(torch.cuda, "stream", self.stream)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
         monkeypatch.setattr(torch.cuda, "graph", self.graph)
-        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: fake.pool)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", self.new_pool)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
+    def new_pool(self) -> PoolHandle:
+        self.pools.append(PoolHandle(len(self.pools) + 1))
+        return self.pools[-1]
+
     def new_stream(self, device=None, **kwargs) -> FakeStream:
-        self.side_streams.append(FakeStream("side"))
+        self.side_streams.append(FakeStream("side", self.timeline))
         return self.side_streams[-1]
 
     @contextlib.contextmanager
@@ -88,6 +101,7 @@ class FakeCUDA:
     def graph(self, graph: "FakeGraph", pool=None, stream=None, **kwargs):
         assert self.capturing is None, "a capture started inside another capture"
         self.events.append(("capture", pool))
+        self.timeline.append(("capture", pool))
         self.capturing = graph
         try:
             yield
@@ -98,10 +112,14 @@ class FakeCUDA:
 class FakeGraph:
     def __init__(self, cuda: FakeCUDA):
         self.cuda, self.recorded, self.replays = cuda, None, 0
+        self.metadata = None  # the decode metadata's tensors the recorded pass read
 
     def replay(self) -> None:
         assert self.recorded is not None, "replay() of a graph that recorded nothing"
         model, args, kwargs, output = self.recorded
+        # As on CUDA, the replay reads the very metadata tensors its capture read, whatever the
+        # backend holds now: a refill of other tensors (another bucket's views) goes unseen.
+        args[0].attn_backend.decode_metadata = self.metadata
         with torch.inference_mode():  # the model's outputs are inference tensors
             output.copy_(model(*args, **kwargs))  # same inputs, same output memory
         self.replays += 1
@@ -117,9 +135,11 @@ class RecordingModel:
         output = self.model(*args, **kwargs)
         capturing = self.cuda.capturing
         self.cuda.events.append(("model", self.cuda.current.name, capturing is not None))
+        self.cuda.timeline.append(self.cuda.events[-1])
         if capturing is not None:
             assert capturing.recorded is None, "one graph recorded two model passes"
             capturing.recorded = (self.model, args, kwargs, output)
+            capturing.metadata = replace(args[0].attn_backend.decode_metadata)  # its tensors, as they are now
         return output
 
 
@@ -131,6 +151,7 @@ def graph_runner_on_fake_cuda(monkeypatch, family: str, **knobs):
     cuda.install(monkeypatch)
     runner = graph.cuda_graph_runner
     runner.use_cuda_graph, runner.graph_pool = True, torch.cuda.graph_pool_handle()
+    cuda.pool = runner.graph_pool
     runner.model = RecordingModel(runner.model, cuda)
     return graph, eager, cuda
 
@@ -157,7 +178,9 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
             f"torch.cuda.stream(...)) before the capture; saw {events}"
         )
         assert capture == ("capture", cuda.pool), (
-            f"bucket {bucket}: then one capture into the shared graph_pool (pool=self.graph_pool); saw {events}"
+            f"bucket {bucket}: then one capture into the shared graph_pool (pool=self.graph_pool), the one pool the "
+            "runner made at start: a new torch.cuda.graph_pool_handle() per capture is a new pool per graph, memory "
+            f"the graphs cannot share; saw {events}"
         )
         assert recorded[0] == "model" and recorded[2], (
             f"bucket {bucket}: the capture must record one model pass; saw {events}"
@@ -180,7 +203,9 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
         )
         assert torch.allclose(got, expected_logits, rtol=1e-4, atol=1e-4), (
             f"decode {step}: replayed logits differ from the eager runner's by "
-            f"{(got - expected_logits).abs().max().item():.3g}"
+            f"{(got - expected_logits).abs().max().item():.3g}; a replay reads only the tensors its capture read: "
+            "the static buffers and its bucket's metadata views, which replay_prepare must refill in place for the "
+            "batch's own bucket (bs, kv_len)"
         )
     assert [e for e in cuda.events if e[0] == "capture" or e[1] == "side"] == [], (
         f"after the start, decodes must only replay (no warm-up, no capture): saw {cuda.events[:6]}"
@@ -212,6 +237,37 @@ def test_capture_records_the_buckets_static_batch_and_waits_for_the_side_stream(
         "the side stream must wait for the default stream before the warm-up (side.wait_stream(current_stream()))"
     )
     assert "side" in cuda.default.waited_for, "the default stream must wait for the side stream after the warm-up"
+
+
+def test_the_streams_wait_for_each_other_around_every_bucket_s_warm_ups(monkeypatch, tiny_models_root):
+    """The order matters, not only that both waits happen: a wait orders the work queued BEFORE it
+    on the stream waited for against the work queued AFTER it on the waiting stream."""
+    graph, _, cuda = graph_runner_on_fake_cuda(monkeypatch, str(tiny_models_root / "llama"))
+    runner = graph.cuda_graph_runner
+    runner.capture()
+    segments, segment = [], []  # the timeline cut after each recorded pass: one segment per bucket
+    for event in cuda.timeline:
+        segment.append(event)
+        if event[0] == "model" and event[2]:
+            segments.append(segment)
+            segment = []
+    assert len(segments) == len(runner.graphs), f"one recorded pass per bucket; the timeline: {cuda.timeline[:12]}"
+    for bucket, events in zip(runner.graphs, segments):
+        warmups = [i for i, event in enumerate(events) if event == ("model", "side", False)]
+        assert warmups, f"bucket {bucket}: no warm-up on a side stream before the capture; saw {events}"
+        side_waits = [i for i, event in enumerate(events) if event == ("wait", "side", "default")]
+        assert side_waits and side_waits[0] < warmups[0], (
+            f"bucket {bucket}: the side stream must wait for the default stream (side.wait_stream(current)) BEFORE its "
+            "first warm-up: the static buffers and the metadata were filled on the default stream, and a warm-up "
+            f"queued before the wait may read them half-written; saw {events}"
+        )
+        capture = next(i for i, event in enumerate(events) if event[0] == "capture")
+        default_waits = [i for i, event in enumerate(events) if event == ("wait", "default", "side")]
+        assert any(warmups[-1] < i < capture for i in default_waits), (
+            f"bucket {bucket}: the default stream must wait for the side stream (current.wait_stream(side)) AFTER the "
+            "last warm-up and before the capture: a wait orders only the work already queued on the side stream, so "
+            f"one before the warm-ups lets the capture and the next bucket's buffers race them; saw {events}"
+        )
 
 
 def test_a_capture_that_fails_stops_the_start_naming_the_bucket(monkeypatch, tiny_models_root):
