@@ -1588,6 +1588,16 @@ MUTANTS: list[Mutant] = [
         ),
         r"its bucket's metadata views",
     ),
+    Mutant(
+        "s08-metadata-first-table-rows",
+        "s08_cuda_graph/decode_attention.py",
+        "a row's keys are the slots of ITS request's table row, req_to_token[req_pool_indices[i]], not of table row i",
+        edit(
+            "meta.kv_indices.copy_(table[req_pool_indices, :kv_len])",
+            "meta.kv_indices.copy_(table[: len(req_pool_indices), :kv_len])",
+        ),
+        r"req_to_token\[req_pool_indices",
+    ),
     # --- stage 9: serving ----------------------------------------------------------------------
     Mutant(
         "s09-no-hold-back",

@@ -63,15 +63,17 @@ def prompts_of(count: int, first: int = 65) -> list[list[int]]:
 def backend_with_rows(num_kv_heads: int, lengths: list[int], head_dim: int = 16, seed: int = 0):
     """(backend, decode metadata filled by your ``fill_decode_metadata``) over a random one-layer
     pool whose table rows hold ``lengths`` tokens in scattered slots (a length-0 entry is a padding
-    row: the dummy row of slot 0, seq_len 1)."""
+    row: the dummy row of slot 0, seq_len 1). Request i holds table row n + 1 - i of n + 2 (the
+    rows reversed, past two unused ones), so metadata read from rows 0..n-1 shows."""
     generator = torch.Generator().manual_seed(seed)
     num_slots = 1 + sum(lengths) + 7
     kv = TokenToKVPool(num_slots - 1, 1, num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim)
     kv.k_buffer[0].copy_(torch.randn(kv.k_buffer[0].shape, generator=generator))
     kv.v_buffer[0].copy_(torch.randn(kv.v_buffer[0].shape, generator=generator))
-    table = ReqToTokenPool(len(lengths), max(lengths) + 3)
+    table = ReqToTokenPool(len(lengths) + 2, max(lengths) + 3)
+    rows = torch.arange(len(lengths) + 1, 1, -1)
     slots = (torch.randperm(num_slots - 1, generator=generator) + 1).tolist()  # never slot 0
-    for row, n in enumerate(lengths):
+    for row, n in zip(rows.tolist(), lengths):
         table.req_to_token[row, :n] = torch.tensor(slots[:n])
         slots = slots[n:]
     backend = DecodeAttentionBackend(table, kv)
@@ -82,21 +84,21 @@ def backend_with_rows(num_kv_heads: int, lengths: list[int], head_dim: int = 16,
         torch.empty(len(lengths), kv_len, dtype=torch.bool),
         seq_lens,
     )
-    backend.fill_decode_metadata(meta, torch.arange(len(lengths)))
-    check_decode_metadata(meta, table.req_to_token[: len(lengths)], lengths)
+    backend.fill_decode_metadata(meta, rows)
+    check_decode_metadata(meta, rows, table.req_to_token, lengths)
     return backend, meta
 
 
-def check_decode_metadata(meta, rows: torch.Tensor, lengths: list[int]) -> None:
+def check_decode_metadata(meta, rows: torch.Tensor, req_to_token: torch.Tensor, lengths: list[int]) -> None:
     """Your ``fill_decode_metadata``'s tables, checked before anything attends with them: row i's
-    key mask is True for j < seq_len only, and its kv_indices there are table row i's slots (past
-    seq_len they are masked: any slot will do)."""
+    key mask is True for j < seq_len only, and its kv_indices there are the slots of table row
+    ``rows[i]`` (past seq_len they are masked: any slot will do)."""
     for i, n in enumerate(lengths):
-        seq_len = int(meta.seq_lens[i])
-        got, want = meta.kv_indices[i, :seq_len].tolist(), rows[i, :seq_len].tolist()
+        seq_len, row = int(meta.seq_lens[i]), int(rows[i])
+        got, want = meta.kv_indices[i, :seq_len].tolist(), req_to_token[row, :seq_len].tolist()
         assert got == want, (
-            f"fill_decode_metadata: kv_indices row {i} should start with its table row's first {seq_len} slots "
-            f"{want}, got {got}"
+            f"fill_decode_metadata: kv_indices row {i} should start with the first {seq_len} slots of its request's "
+            f"table row, req_to_token[req_pool_indices[{i}]] = req_to_token[{row}]: {want}, got {got}"
         )
         keys = meta.key_mask[i].nonzero().flatten().tolist()
         assert keys == list(range(seq_len)), (
