@@ -1589,6 +1589,16 @@ MUTANTS: list[Mutant] = [
         r"its bucket's metadata views",
     ),
     Mutant(
+        "s08-refill-real-rows-only",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "the bucket's metadata cover all of its bs rows, the padding rows included",
+        edit(
+            "replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])\n        return bucket",
+            "replay_cuda_graph(bs, kv_len, forward_batch.req_pool_indices)\n        return bucket",
+        ),
+        r"padding included",
+    ),
+    Mutant(
         "s08-metadata-first-table-rows",
         "s08_cuda_graph/decode_attention.py",
         "a row's keys are the slots of ITS request's table row, req_to_token[req_pool_indices[i]], not of table row i",

@@ -236,6 +236,11 @@ class DecodeAttentionBackend(PagedAttentionBackend):
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, kv_len: int, req_pool_indices: torch.Tensor) -> None:
         """Refill bucket (bs, kv_len)'s views for the batch now in the runner's static buffers."""
+        if len(req_pool_indices) != bs:
+            raise ValueError(
+                f"bucket ({bs}, {kv_len}) has {bs} rows, padding included, but {len(req_pool_indices)} table rows "
+                "came: pass the static buffer's first bs rows (req_pool_indices[:bs]), not the batch's own"
+            )
         meta = self.bucket_metadata[bs, kv_len]
         self.fill_decode_metadata(meta, req_pool_indices)
         self.decode_metadata, self.extend_batch = meta, None
