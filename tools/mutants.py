@@ -1569,6 +1569,16 @@ MUTANTS: list[Mutant] = [
         r"AFTER the\s+last warm-up",
     ),
     Mutant(
+        "s08-kv-check-one-request",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a graph holds a batch only if its LONGEST sequence fits the largest key bucket, wherever it stands",
+        edit(
+            "and max(forward_batch.seq_lens) <= self.max_kv_len",
+            "and forward_batch.seq_lens[-1] <= self.max_kv_len",
+        ),
+        r"longest",
+    ),
+    Mutant(
         "s08-pool-per-graph",
         "s08_cuda_graph/cuda_graph_runner.py",
         "every graph is captured into the ONE pool the runner made at start (self.graph_pool), so they share memory",

@@ -65,6 +65,12 @@ def test_key_lengths_stop_at_cuda_graph_max_kv_len(tiny_models_root):
     assert not graph.can_run(decode_batch(runner, 3, seq_len=201)), (
         "a decode with a sequence longer than cuda_graph_max_kv_len (201 > 200) must run eagerly"
     )
+    for lengths in ([201, 5, 5], [5, 201, 5], [5, 5, 201]):
+        batch = ForwardBatch.build([[65]] * 3, [n - 1 for n in lengths], runner.attn_backend)
+        assert not graph.can_run(batch), (
+            f"a decode of sequences of {lengths} tokens must run eagerly: its longest, wherever it stands, "
+            "is longer than cuda_graph_max_kv_len=200 (check the longest of seq_lens, not one request's)"
+        )
 
 
 def decode_batch(runner, num_reqs: int, seq_len: int = 5) -> ForwardBatch:
