@@ -1589,6 +1589,39 @@ MUTANTS: list[Mutant] = [
         r"shared graph_pool",
     ),
     Mutant(
+        "s08-output-buffer-copy",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a graph writes the very tensor its capture returned: output_buffers keeps that tensor, not a copy of it",
+        edit("self.output_buffers[bs, kv_len] = logits", "self.output_buffers[bs, kv_len] = logits.clone()"),
+        r"output_buffers",
+    ),
+    Mutant(
+        "s08-out-cache-loc-not-copied",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "every input the graph reads is copied into its static buffer, the new tokens' KV slots too",
+        edit("        self.out_cache_loc[:n].copy_(forward_batch.out_cache_loc)\n", ""),
+        r"static out_cache_loc",
+    ),
+    Mutant(
+        "s08-seq-lens-are-positions",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "a decode row's length counts its new token: seq_len = position + 1",
+        edit("seq_lens[:n].copy_(forward_batch.positions + 1)", "seq_lens[:n].copy_(forward_batch.positions)"),
+        r"static seq_lens",
+    ),
+    Mutant(
+        "s08-refill-before-padding",
+        "s08_cuda_graph/cuda_graph_runner.py",
+        "the bucket's metadata are refilled from the static buffers AFTER the batch is copied in and padded",
+        edit(
+            "        self.fill_padding(n, bs)\n"
+            "        self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])",
+            "        self.attn_backend.init_forward_metadata_replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])"
+            "\n        self.fill_padding(n, bs)",
+        ),
+        r"after the batch is copied in and padded",
+    ),
+    Mutant(
         "s08-refill-another-bucket",
         "s08_cuda_graph/cuda_graph_runner.py",
         "a replay reads the metadata views of ITS bucket (bs, kv_len): a refill of another bucket's goes unseen",
@@ -1596,7 +1629,7 @@ MUTANTS: list[Mutant] = [
             "replay_cuda_graph(bs, kv_len, self.req_pool_indices[:bs])\n        return bucket",
             "replay_cuda_graph(bs, self.max_kv_len, self.req_pool_indices[:bs])\n        return bucket",
         ),
-        r"its bucket's metadata views",
+        r"the bucket's own views",
     ),
     Mutant(
         "s08-refill-real-rows-only",

@@ -113,3 +113,39 @@ def built_kernel() -> decode_kernel.DecodeKernel:
     loaded = decode_kernel.load()
     require_built(loaded.op is not None, loaded.how, "the fused CPU attention kernels")
     return loaded
+
+
+def static_batch_problems(graph, batch) -> list[str]:
+    """What the graph runner's static buffers and its bucket's metadata get wrong about ``batch``
+    after a replay of it (empty when they hold it, padded): names the buffer, so a wrong replay
+    says where, not only that its logits differ."""
+    n = batch.num_reqs
+    bs, kv_len = graph.bucket_for(n, max(batch.seq_lens))
+    problems = []
+    for name in ("input_ids", "positions", "req_pool_indices", "out_cache_loc"):
+        got, want = getattr(graph, name)[:n].tolist(), getattr(batch, name).tolist()
+        if got != want:
+            problems.append(f"static {name}[:{n}] is {got}, the batch's is {want} (copy_ it in)")
+    seq_lens, want = graph.seq_lens[:n].tolist(), (batch.positions + 1).tolist()
+    if seq_lens != want:
+        problems.append(f"static seq_lens[:{n}] is {seq_lens}, the batch's lengths are {want} (positions + 1)")
+    padding = (graph.req_pool_indices[n:bs].tolist(), graph.out_cache_loc[n:bs].tolist(), graph.seq_lens[n:bs].tolist())
+    if padding != ([graph.dummy_req_pool_idx] * (bs - n), [0] * (bs - n), [1] * (bs - n)):
+        problems.append(f"padding rows {n}..{bs - 1} (table rows, slots, lengths) are {padding}: not dummy requests")
+    backend = graph.attn_backend
+    meta = backend.bucket_metadata[bs, kv_len]
+    for name, buffer in (("kv_indices", backend.cuda_graph_kv_indices), ("key_mask", backend.cuda_graph_key_mask)):
+        if getattr(meta, name).data_ptr() != buffer.data_ptr():
+            problems.append(
+                f"bucket ({bs}, {kv_len})'s metadata {name} is no longer a view of the graph's buffer: "
+                f"fill_decode_metadata must write into meta.{name} in place (copy_), not assign a new tensor"
+            )
+    slots = graph.attn_backend.req_to_token_pool.req_to_token[graph.req_pool_indices[:bs], :kv_len]
+    keys = torch.arange(kv_len)[None, :] < graph.seq_lens[:bs, None]
+    if not (torch.equal(meta.key_mask, keys) and torch.equal(meta.kv_indices[keys], slots[keys])):
+        problems.append(
+            f"bucket ({bs}, {kv_len})'s metadata views (kv_indices, key_mask) do not describe the rows now in the "
+            "static buffers: refill the bucket's own views (init_forward_metadata_replay_cuda_graph with its bs and "
+            "kv_len), after the batch is copied in and padded"
+        )
+    return problems

@@ -25,7 +25,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from graph_helpers import prompts_of, run_pass, runners, start
+from graph_helpers import prompts_of, run_pass, runners, start, static_batch_problems
 from reference import engine_model
 from s08_cuda_graph import cuda_graph_runner as cgr
 
@@ -197,15 +197,17 @@ def test_capture_at_start_warms_up_then_records_every_bucket_largest_first(monke
     run_pass(graph, mine), run_pass(eager, theirs)  # the prefill: eager on both
     for step, size in enumerate(sizes):
         _, expected_logits = run_pass(eager, theirs[:size])
-        _, got = run_pass(graph, mine[:size], tokens=expected_logits.argmax(-1).tolist())
+        batch, got = run_pass(graph, mine[:size], tokens=expected_logits.argmax(-1).tolist())
         assert graph.last_forward_path == "graph", (
             f"decode {step} ({size} requests) took the {graph.last_forward_path!r} path"
         )
+        problems = static_batch_problems(runner, batch)
+        assert not problems, f"decode {step} ({size} requests), after replay_prepare:\n  " + "\n  ".join(problems)
         assert torch.allclose(got, expected_logits, rtol=1e-4, atol=1e-4), (
             f"decode {step}: replayed logits differ from the eager runner's by "
-            f"{(got - expected_logits).abs().max().item():.3g}; a replay reads only the tensors its capture read: "
-            "the static buffers and its bucket's metadata views, which replay_prepare must refill in place for the "
-            "batch's own bucket (bs, kv_len)"
+            f"{(got - expected_logits).abs().max().item():.3g}; a replay reads only the tensors its capture read (the "
+            "static buffers, its bucket's metadata views) and writes only the tensor its capture returned, which "
+            "output_buffers must hold itself, not a copy"
         )
     assert [e for e in cuda.events if e[0] == "capture" or e[1] == "side"] == [], (
         f"after the start, decodes must only replay (no warm-up, no capture): saw {cuda.events[:6]}"
