@@ -30,7 +30,8 @@ def test_table_attention_equals_your_gathered_decode(num_heads, num_kv_heads):
     worst = (got - expected).abs().max().item()
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (
         f"{num_heads} query heads over {num_kv_heads} KV heads, rows of {lengths} tokens: the table path and your "
-        f"attend_decode differ by up to {worst:.3g} (check fill_decode_metadata: kv_indices and key_mask)"
+        f"attend_decode differ by up to {worst:.3g} (fill_decode_metadata's tables were checked first; check "
+        "attend_decode: one masked attention over each row's gathered keys, query head h reading KV head h // G)"
     )
 
 
