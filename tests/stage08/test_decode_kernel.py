@@ -15,7 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_helpers import MAX_CONTEXT, POOL_SIZE, backend_with_rows, built_kernel, prompts_of, run_pass, start
+from graph_helpers import (
+    MAX_CONTEXT,
+    POOL_SIZE,
+    backend_with_rows,
+    built_kernel,
+    check_decode_metadata,
+    prompts_of,
+    run_pass,
+    start,
+)
 from reference import engine_model
 from s00_foundation.forward_batch import ForwardMode
 from s04_paged_kv_pool.model_runner import ModelRunner
@@ -122,6 +131,9 @@ def test_cpu_eager_decode_equals_stage4(tiny_model_dir, path, monkeypatch, reque
         if step > 0:
             meta = runner.attn_backend.decode_metadata
             assert meta is not None and meta.path == path, f"step {step}: the decode did not take the {path} path"
+            # your fill_decode_metadata's tables, by name, before the logits they lead to
+            rows = ours_batch.req_pool_indices[: meta.kv_indices.shape[0]]
+            check_decode_metadata(meta, rows, runner.req_to_token_pool.req_to_token, meta.seq_lens.tolist())
             assert (meta.table is not None) == (path == "table"), f"step {step}: table index arrays built or missing"
         if step == 2:
             assert ours_batch.forward_mode is ForwardMode.MIXED, (
