@@ -2686,18 +2686,9 @@ def check_all(solutions: Path) -> list[str]:
     return problems + unmutated_regions(solutions)
 
 
-# Exercise regions no mutant edits, each with the reason: the course's grading runs on a CPU.
-NO_MUTANT = {
-    ("s08_cuda_graph/cuda_graph_runner.py", "warm up, then capture one bucket's decode pass"): (
-        "it runs only on CUDA: on a CPU the runner runs the same static batch eagerly, so no CPU test reaches it "
-        "(tests/gpu and make gpu-check do)"
-    ),
-}
-
-
 def unmutated_regions(solutions: Path) -> list[str]:
-    """Every exercise region of ``solutions`` that no mutant edits and NO_MUTANT does not excuse:
-    a learner's bug there would be graded by tests nobody has checked against a bug."""
+    """Every exercise region of ``solutions`` that no mutant edits: a learner's bug there would be
+    graded by tests nobody has checked against a bug."""
     problems = []
     for path in sorted(solutions.rglob("*.py")):
         text = path.read_text()
@@ -2705,7 +2696,7 @@ def unmutated_regions(solutions: Path) -> list[str]:
         edited = [text.find(old) for mutant in MUTANTS if mutant.file == file for old, _ in mutant.edits]
         for start, end in exercise_spans(text):
             title = text[:start].splitlines()[-1].strip()[len(BEGIN) :].split(" [#")[0].strip()
-            if (file, title) not in NO_MUTANT and not any(start <= at < end for at in edited):
+            if not any(start <= at < end for at in edited):
                 line = text.count("\n", 0, start)
                 problems.append(f"solutions/{file}:{line}: no mutant edits the exercise region '{title}'")
     return problems

@@ -3,8 +3,7 @@
 `make mutants` plants each realistic learner bug of tools/mutants.py into a copy of solutions/
 and runs its stage's graded tests; that takes about half an hour, so CI only checks that
 every mutant still applies: its old text is found once, inside an exercise region, the mutated
-file compiles, every stage keeps at least five mutants, and every exercise region has a mutant
-(or a reason in NO_MUTANT why none can run here)."""
+file compiles, every stage keeps at least five mutants, and every exercise region has a mutant."""
 
 from __future__ import annotations
 
