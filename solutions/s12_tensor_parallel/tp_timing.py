@@ -1,5 +1,6 @@
-"""Where a tensor-parallel step's time goes: rank 0's forward, split into compute and the
-collectives' communication (``TPGroup.comm_seconds``), for tp=1 and tp=N on the same requests.
+"""Where a tensor-parallel step's time goes: rank 0's forward, split into compute and
+communication (``TPGroup.comm_seconds``: the collectives and the batch's broadcast), for tp=1 and
+tp=N on the same requests.
 Shared by the milestone (``python -m s12_tensor_parallel``) and notebook 12.
 
 The runs use the plain loop (``disable_overlap=True``): each step's forward then runs alone, and

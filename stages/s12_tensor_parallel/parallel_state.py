@@ -52,7 +52,7 @@ class TPGroup:
     device_group: Any = None  # None when size == 1: no collective is ever called
     control_group: Any = None
     counts: Counter = field(default_factory=Counter)  # collectives called, by name
-    comm_seconds: float = 0.0  # time spent inside the forward's collectives (on CUDA: when timed)
+    comm_seconds: float = 0.0  # time inside the collectives and broadcasts (on CUDA: when timed)
     # On CUDA a collective is only queued: timing it means waiting for the device after each one,
     # which a server must not do. So on CUDA the time is measured only when this is set.
     time_collectives: bool = False
@@ -127,9 +127,10 @@ class TPGroup:
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends ``obj`` (any picklable object); every rank returns it."""
         box = [obj]
-        self.counts["broadcast"] += 1
+        start = self._start("broadcast")
         with self.failing_clearly("broadcast"):
             dist.broadcast_object_list(box, src=0, group=self.control_group)
+        self._stop(start)  # (each step's batch goes this way: communication too, not compute)
         return box[0]
 
 
