@@ -3,11 +3,12 @@
 One event loop writes every stream this server sends, so whatever one request costs the loop is
 a pause in every other client's tokens. Reading JSON into pydantic models and checking it costs a
 few microseconds an item, and a body under the size cap holds hundreds of thousands of them: 100
-messages of 1,024 content parts (2.9 MiB) took 0.6 s to validate and 0.4 s more to check, and
-while it was read on the loop, a stream's tokens and even ``/v1/models`` waited 1.6 s. So a body
+messages of 1,024 content parts (2.9 MiB) took 0.3 s to validate and 0.27 s more to check, and
+while it was read on the loop, a stream's tokens and even ``/v1/models`` waited up to 0.74 s (2
+cores at load 1.3; 1.6 s at load 4: ``tools/benchmark_large_bodies.py``). So a body
 larger than ``INLINE_BYTES`` is read in a thread of the reader's own, one body at a time: the
 parser lets the loop have the GIL between its stretches of work, so streams go on (``/v1/models``
-then waited at most 0.56 s: the README's threat table has the figures), and a crowd of huge bodies
+then waited at most 0.15 s: the README's threat table has the figures), and a crowd of huge bodies
 queues behind that one thread instead of taking a share of the GIL each. A small body, the usual
 one, is read on the loop: that costs less than the hop to a thread.
 

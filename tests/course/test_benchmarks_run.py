@@ -73,3 +73,18 @@ def test_the_grammar_benchmark_times_llguidance(default_model_dir):
     out = run_tool("benchmark_grammar")
     for case in ("person", "colors", "rating"):
         assert any(line.strip().startswith(f"{case}: compile") for line in out.splitlines()), out
+
+
+def test_the_large_bodies_benchmark_posts_each_body_beside_a_stream(tiny_models_root, tmp_path):
+    out = tmp_path / "large_bodies.json"
+    model = str(tiny_models_root / "llama")
+    run_tool("benchmark_large_bodies", "--model", model, "--scale", "0.01", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"messages", "parts", "logit_bias"}
+    assert rows["parts"]["status"] == 200 and rows["logit_bias"]["status"] == 400, rows  # keys past its vocabulary
+    for name, row in rows.items():
+        assert row["status"] in (200, 400), (name, row)
+        for key in ("seconds", "models_slowest_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, (name, key, row)
+        # (the tiny model's stream may end before the post: then there is no gap to report)
+        assert row["stream_gap_s"] is None or row["stream_gap_s"] > 0, (name, row)
