@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
@@ -61,19 +62,35 @@ class Tokenizer:
         return list(self.hf(text)["input_ids"])
 
     def apply_chat_template(
-        self, messages: Messages, add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        check_text: Callable[[str], None] | None = None,
     ) -> list[int]:
-        """The messages (and ``tools``, for a template that knows them) through the chat template."""
+        """The messages (and ``tools``, for a template that knows them) through the chat template.
+        ``check_text``, if given, sees the rendered text before it is tokenized, and may refuse it
+        by raising (a server counts a long text a window at a time: stage 9's ``check_fits``)."""
         if not self.is_chat:
             raise ValueError("this model's tokenizer has no chat template; send a plain text prompt")
         if not messages:
             raise ValueError("messages must hold at least one message")
+        render = partial(
+            self.hf.apply_chat_template,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
         pattern = self.control_tokens
         if pattern is None or not any(pattern.search(text) for text in _texts([_said(m) for m in messages] + [tools])):
-            encoded = self.hf.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
-            )
-            return list(encoded["input_ids"])
+            # rendered once, then tokenized as transformers' apply_chat_template(tokenize=True) does
+            text = render()
+            if check_text is not None:
+                check_text(text)
+            return list(self.hf(text, add_special_tokens=False)["input_ids"])
+        if check_text is not None:  # (rare: a message spells a control token; the text is rendered marked below)
+            check_text(render())
         return self._chat_ids_with_control_text(messages, add_generation_prompt, tools)
 
     def _chat_ids_with_control_text(

@@ -63,14 +63,9 @@ class TokenizerManager:
         if req.messages is not None:
             messages, tools = chat_template_input(req.messages, req.tools, self.tokenizer.knows_tools)
             self.check_names_are_used(messages)
-            if self.tokenizer.is_chat:  # (without a template apply_chat_template refuses the messages)
-                self.check_fits(
-                    self.tokenizer.hf.apply_chat_template(
-                        messages, tools=tools, tokenize=False, add_generation_prompt=True
-                    ),
-                    "messages",
-                )
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools)
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools, check_text=lambda text: self.check_fits(text, "messages")
+            )
         elif req.text is not None:
             self.check_fits(req.text, "prompt")
             ids = self.tokenizer.encode(req.text)

@@ -94,3 +94,19 @@ def test_a_prompt_past_the_context_is_refused_before_it_is_all_tokenized(default
     ids = manager.tokenize(GenerateReqInput("near", SamplingParams(), text=near)).input_ids
     assert ids == whole, "a prompt that fits must be tokenized whole, to the same ids as before"
     assert len(counting.chars) > 2, f"a text of {len(near)} characters should have been counted a window at a time"
+
+
+def test_a_chat_past_the_context_is_refused_before_it_is_all_tokenized(default_model_dir):
+    """The same for messages: the chat template's text is counted a window at a time before it is
+    tokenized (the text rendered once, for both)."""
+    context = 8192
+    manager = TokenizerManager(Tokenizer(default_model_dir), context)
+    counting = manager.tokenizer.hf = CountingTokenizer(manager.tokenizer.hf)
+    cjk = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(660_000))
+    with pytest.raises(PromptError) as caught:
+        manager.tokenize(GenerateReqInput("cjk", SamplingParams(), messages=[{"role": "user", "content": cjk}]))
+    assert sum(counting.chars) <= 2 * context, (
+        f"refusing messages that pass the context in the first window of {context} characters tokenized "
+        f"{sum(counting.chars)} characters of their {len(cjk)}"
+    )
+    assert caught.value.param == "messages" and caught.value.code == "context_length_exceeded", caught.value
