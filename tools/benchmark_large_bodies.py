@@ -39,35 +39,22 @@ from s00_foundation.paths import default_model_path  # noqa: E402
 from s09_zmq_serving.server_process import ServerProcess  # noqa: E402
 
 
-def bodies(model: str, scale: float) -> dict[str, tuple[str, dict]]:
-    """name -> (path, body), each a few MB of small JSON items at scale 1."""
+def bodies(model: str, scale: float) -> dict[str, dict]:
+    """name -> a chat's body, each a few MB of small JSON items at scale 1."""
     n = lambda count: max(1, int(count * scale))  # noqa: E731
+    chat = {"model": model, "max_tokens": 1}
     return {
-        "messages": (
-            "/v1/chat/completions",
-            {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}] * n(65536)},
-        ),
-        "parts": (
-            "/v1/chat/completions",
-            {
-                "model": model,
-                "max_tokens": 1,
-                "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 1024}] * n(100),
-            },
-        ),
-        "logit_bias": (
-            "/v1/chat/completions",
-            {
-                "model": model,
-                "max_tokens": 1,
-                "messages": [{"role": "user", "content": "x"}],
-                "logit_bias": {str(i): 1 for i in range(n(262144))},
-            },
-        ),
+        "messages": {**chat, "messages": [{"role": "user", "content": "x"}] * n(65536)},
+        "parts": {**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 1024}] * n(100)},
+        "logit_bias": {
+            **chat,
+            "messages": [{"role": "user", "content": "x"}],
+            "logit_bias": {str(i): 1 for i in range(n(262144))},
+        },
     }
 
 
-def measure(url: str, model: str, path: str, body: dict) -> dict:
+def measure(url: str, model: str, body: dict) -> dict:
     """Post ``body`` while a stream runs and /v1/models is asked every 10 ms."""
     gaps: list[float] = []
     pings: list[float] = []
@@ -99,7 +86,9 @@ def measure(url: str, model: str, path: str, body: dict) -> dict:
     gaps_before, pings_before = len(gaps), len(pings)
     raw = json.dumps(body).encode()
     start = time.perf_counter()
-    answer = httpx.post(url + path, content=raw, headers={"content-type": "application/json"}, timeout=300)
+    answer = httpx.post(
+        url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=300
+    )
     took = time.perf_counter() - start
     time.sleep(0.5)
     stop.set()
@@ -137,8 +126,8 @@ def main() -> int:
                 f"{'body':>11} {'MiB':>5} {'answer':>6} {'took s':>7}   /v1/models' slowest s (before)   "
                 "stream's longest gap s (before)"
             )
-            for name, (path, body) in bodies(model, args.scale).items():
-                row = rows[name] = measure(server.base_url, model, path, body)
+            for name, body in bodies(model, args.scale).items():
+                row = rows[name] = measure(server.base_url, model, body)
                 gap, gap_before = (
                     "ended" if value is None else f"{value:.2f}"
                     for value in (row["stream_gap_s"], row["stream_gap_before_s"])
